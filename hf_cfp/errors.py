@@ -1,0 +1,29 @@
+"""The library's own exceptions.
+
+Every message names the parameter, file or argument at fault and says what to do.
+They subclass the matching built-in type so generic handlers keep working.
+"""
+
+
+class CFPError(Exception):
+    """Base class of every hf-cfp error."""
+
+
+class CFPArgumentError(CFPError, ValueError):
+    """A bad argument: a negative `lam`, a `free_fraction` outside (0, 1), no prompts..."""
+
+
+class AnchorValidationError(CFPError, ValueError):
+    """An anchor's values are unusable: NaN, Inf or negative Fisher entries, a bad name."""
+
+
+class AnchorMismatchError(CFPError, ValueError):
+    """An anchor does not fit the model it is bound to (missing names, other shapes)."""
+
+
+class AnchorFormatError(CFPError, ValueError):
+    """An anchor directory is corrupt, truncated, or of an unknown format version."""
+
+
+class AnchorNotFoundError(CFPError, FileNotFoundError):
+    """No anchor where one was asked for."""

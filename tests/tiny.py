@@ -1,0 +1,40 @@
+"""Tiny models and a tiny tokenizer built in memory: nothing is downloaded."""
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_llama(vocab_size=32, hidden_size=16, layers=2, seed=0, tie=False, eos_token_id=None, **overrides):
+    """A Llama with a few thousand parameters; eos_token_id=None gives fixed-length responses."""
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=tie,
+        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, **overrides,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def tiny_tokenizer(vocab_size=300):
+    """A byte-level BPE trained on a few synthetic sentences, with pad/eos tokens and a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = ["two", "plus", "three", "is", "five", "what", "the", "answer", "code", "print", "sum"]
+    corpus = [" ".join(words[(i * k) % len(words)] for k in range(1, 8)) for i in range(200)]
+    tokenizer.train_from_iterator(corpus, trainer)
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>",
+                                      bos_token="<s>", eos_token="</s>")
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
