@@ -12,6 +12,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from .drift import free_threshold
 from .errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
 from .names import canonical_name
 
@@ -71,16 +72,19 @@ class FisherAnchor:
         self.metadata = {**dict(metadata or {}), "statistics": self.statistics()}
 
     def statistics(self) -> dict:
-        """Size and concentration: parameter count, total mass sum_i F_i, share of mass in the top 1%."""
+        """Size, scale and concentration of F: parameter count, total mass sum_i F_i, mean, max,
+        the 99th percentile `p99` (lam = 1 / p99 halves every top-1% coordinate's displacement
+        per step), and the share of the mass held by the top 1% of coordinates."""
         flat = torch.cat([t.reshape(-1) for t in self.fisher.values()]).double()
         total = float(flat.sum())
         top = flat.topk(max(1, math.ceil(0.01 * flat.numel()))).values
         return {
             "num_parameters": flat.numel(),
             "total_mass": total,
-            "top1pct_mass_share": float(top.sum()) / total if total > 0 else 0.0,
-            "max": float(flat.max()),
             "mean": total / flat.numel(),
+            "max": float(flat.max()),
+            "p99": free_threshold([flat], 0.99),
+            "top1pct_mass_share": float(top.sum()) / total if total > 0 else 0.0,
         }
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> None:

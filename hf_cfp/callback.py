@@ -1,5 +1,6 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (thin glue)."""
 
+import logging
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -10,6 +11,8 @@ from .anchor import FisherAnchor
 from .errors import CFPArgumentError
 from .protection import CFPState
 from .reporting import add_to_step_log, place_before_reporters
+
+logger = logging.getLogger(__name__)
 
 
 class CFPCallback(TrainerCallback):
@@ -71,7 +74,13 @@ class CFPCallback(TrainerCallback):
         return _check_lam(self.lam(step) if callable(self.lam) else self.lam)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.state is None:
+        if self.state is None or self.state.model is not model:  # first train(), or reused with another model
+            if state.global_step > 0:
+                logger.warning(
+                    "CFPCallback: resuming at step %d, theta0 is taken from the resumed weights, not the "
+                    "original ones, so the path restarts there. Exact resume is not supported yet.",
+                    state.global_step,
+                )
             self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction)
         place_before_reporters(self)
 

