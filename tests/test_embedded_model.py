@@ -9,7 +9,7 @@ from hf_cfp import CFPCallback, estimate_fisher
 from hf_cfp.data import calibration_prompts
 from hf_cfp.models import EMBEDDED, load_causal_lm
 from hf_cfp.fisher.prompts import to_token_ids
-from hf_cfp.fisher.sampling import Sampler, sample_responses
+from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def test_anchor_on_the_embedded_model_matches_a_plain_per_sequence_reference(smo
     assert tokenizer.decode(prompt_ids[0]).startswith("<|im_start|>system")  # the chat template was applied
     eos = {int(model.generation_config.eos_token_id)}
     responses = sample_responses(model.eval(), prompt_ids, Sampler(), 4, eos, tokenizer.pad_token_id,
-                                 torch.Generator().manual_seed(3))
+                                 batch_generator(3, 0))
     norm = model.model.norm.weight
     reference = torch.zeros_like(norm)
     for prompt, response in zip(prompt_ids, responses):

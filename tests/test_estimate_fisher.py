@@ -23,7 +23,7 @@ from tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, estimate_fisher
 from hf_cfp.fisher import Sampler
-from hf_cfp.fisher.sampling import sample_responses
+from hf_cfp.fisher.sampling import batch_generator, sample_responses
 
 V = 6  # vocabulary of the enumeration model
 T = 3  # response length (fixed when there is no EOS)
@@ -464,10 +464,10 @@ def test_prompt_forms_give_the_same_anchor_and_metadata_is_consistent():
 
 
 def _draws(model, sampler, seed, num_sequences, batch_size, eos_ids, pad_id, max_new_tokens=T):
-    generator = torch.Generator().manual_seed(seed)
     pairs = []
     for start in range(0, num_sequences, batch_size):
         batch = [PROMPTS[n % len(PROMPTS)] for n in range(start, min(start + batch_size, num_sequences))]
+        generator = batch_generator(seed, start // batch_size)
         drawn = sample_responses(model, batch, sampler, max_new_tokens, eos_ids, pad_id, generator)
         pairs.extend(zip(batch, drawn))
     return pairs

@@ -1,6 +1,7 @@
 """Bundled data: calibration prompts per capability and the demo's off-capability SFT pairs."""
 
 import json
+import os
 from importlib import resources
 
 from ..errors import CFPArgumentError
@@ -23,3 +24,19 @@ def calibration_prompts(name: str = "math") -> list[str]:
 def pirate_style_pairs() -> list[tuple[str, str]]:
     """(prompt, response) pairs teaching a pirate speaking style: the demo's off-capability SFT task."""
     return [(row["prompt"], row["response"]) for row in _read_jsonl("pirate_style.jsonl")]
+
+
+def load_prompts(source: str) -> list:
+    """Prompts from a bundled set name (e.g. "math") or a file: `.jsonl` with a "prompt" field
+    per line, `.json` holding a list, or plain text with one prompt per line."""
+    if source in CALIBRATION_SETS:
+        return calibration_prompts(source)
+    if not os.path.isfile(source):
+        raise CFPArgumentError(f"{source!r} is neither a bundled calibration set {CALIBRATION_SETS} nor a file.")
+    with open(source, encoding="utf-8") as handle:
+        text = handle.read()
+    if source.endswith(".jsonl"):
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    if source.endswith(".json"):
+        return list(json.loads(text))
+    return [line for line in text.splitlines() if line.strip()]

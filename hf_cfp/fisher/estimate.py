@@ -1,19 +1,23 @@
 """estimate_fisher: the anchor Fisher of a capability at the model's current weights."""
 
 import contextlib
+import math
 from datetime import datetime, timezone
 
 import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor
+from ..distributed import all_reduce_sum_, process_rank_and_count
 from ..errors import CFPArgumentError
 from ..names import named_trainable_parameters
 from .prompts import fingerprint, to_token_ids
-from .sampling import Sampler, sample_responses
+from .sampling import Sampler, batch_generator, sample_responses
+from .batched import add_batched_squared_scores
 from .scoring import add_squared_score, sequence_log_prob
 
-ESTIMATORS = ("sequence", "empirical")
+ESTIMATORS = ("sequence", "token", "empirical")
+ENGINES = ("batched", "loop")
 
 
 def estimate_fisher(
@@ -30,6 +34,8 @@ def estimate_fisher(
     name: str = "anchor",
     *,
     estimator: str = "sequence",
+    engine: str = "batched",
+    num_samples_per_prompt: int = 1,
     responses=None,
     trainable_only: bool = True,
     eos_token_id: int | list[int] | None = None,
@@ -37,17 +43,29 @@ def estimate_fisher(
 ) -> FisherAnchor:
     """Estimate the diagonal output Fisher of `model` on a capability's prompts.
 
-    estimator="sequence" (default, on-policy): for n = 1..N, x_n = prompts[n % len(prompts)],
-    y_n ~ mu(.|x_n) drawn from the model itself, and
+    estimator="sequence" (default, on-policy, the paper's definition): for n = 1..N,
+    x_n = prompts[(n // num_samples_per_prompt) % len(prompts)], y_n ~ mu(.|x_n) drawn from the
+    model itself, and
 
         F_i = (1/N) sum_n ( d/dtheta_i log mu(y_n | x_n) )^2,
 
     the mean of per-sequence squared scores over response tokens only (the prompt is context,
     the response ends at its first EOS). mu is the sampler's own distribution: softmax(z/T),
     truncated to top-k / top-p and renormalized, so the score is centered under the sampler
-    (mu = pi at temperature 1 without truncation). estimator="empirical" scores the given
-    `responses` (labels) instead of samples: the *empirical* Fisher, a different quantity
-    that is not centered under the model.
+    (mu = pi at temperature 1 without truncation).
+
+    estimator="token": F_i = (1/N) sum_n sum_t ( d/dtheta_i log mu(y_n,t | x_n, y_n,<t) )^2 on
+    the same samples. Cross-position terms vanish in expectation on-policy, so it has the same
+    expectation as "sequence", at about T times the cost (one scored sample per token).
+
+    estimator="empirical" scores the given `responses` (labels) instead of samples: the
+    *empirical* Fisher, a different quantity that is not centered under the model.
+
+    engine="batched" (default) scores a batch in one forward and backward with per-sequence
+    gradients formed layer by layer in backward hooks (exact); engine="loop" is the plain
+    per-sequence reference. Under `accelerate launch` / torchrun, batches are split across
+    processes (batch k on process k % count) and the sums are added across processes: every
+    batch draws from its own seeded stream, so the anchor is the single-process anchor.
 
     Args:
         model: a causal LM (`model(input_ids).logits`); returned in its original train/eval mode,
@@ -57,48 +75,63 @@ def estimate_fisher(
             lists, or a `datasets.Dataset` with a `prompt` column.
         num_sequences: N, calibration sequences (the paper uses 128); prompts are cycled.
         max_new_tokens: longest response.
-        batch_size: responses sampled together (left-padded, KV cache); each is scored alone.
-        seed: the same seed and batch_size give the same anchor bit for bit.
+        batch_size: sequences sampled (left-padded, KV cache) and scored together.
+        seed: the same seed and batch_size give the same anchor bit for bit (on one process).
         temperature, top_k, top_p: the sampler (explicit; the model's generation config is ignored).
         name: the capability name, used in metric keys.
+        estimator: "sequence", "token" or "empirical" (see above).
+        engine: "batched" or "loop".
+        num_samples_per_prompt: responses drawn per prompt before moving to the next prompt.
         responses: for estimator="empirical", one response (text or token ids) per prompt.
         trainable_only: cover only parameters with requires_grad (default).
         eos_token_id: ends a response; default the model's generation config, then the tokenizer's.
     """
     if estimator not in ESTIMATORS:
         raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
-    for argument, value in (("num_sequences", num_sequences), ("max_new_tokens", max_new_tokens),
-                            ("batch_size", batch_size), ("seed", seed)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < (0 if argument == "seed" else 1):
-            raise CFPArgumentError(f"{argument} must be an integer >= {0 if argument == 'seed' else 1}, got {value!r}.")
-    sampler = Sampler(temperature, top_k, top_p) if estimator == "sequence" else Sampler()
+    if engine not in ENGINES:
+        raise CFPArgumentError(f"engine must be one of {ENGINES}, got {engine!r}.")
+    for argument, value, least in (("num_sequences", num_sequences, 1), ("max_new_tokens", max_new_tokens, 1),
+                                   ("batch_size", batch_size, 1), ("seed", seed, 0),
+                                   ("num_samples_per_prompt", num_samples_per_prompt, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise CFPArgumentError(f"{argument} must be an integer >= {least}, got {value!r}.")
+    sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
     prompt_ids = to_token_ids(prompts, tokenizer)
     labels = _labels(responses, tokenizer, len(prompt_ids), estimator)
     eos_ids = _eos_ids(model, tokenizer, eos_token_id)
     pad_id = getattr(tokenizer, "pad_token_id", None) or min(eos_ids, default=0)
+    score = _ENGINE_FUNCTIONS[engine]
 
     named = list(named_trainable_parameters(model, trainable_only))
     params = [p for _, p in named]
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
-    generator = torch.Generator().manual_seed(seed)
-    response_tokens = 0
+    rank, count = process_rank_and_count()
+    my_batches = range(rank, math.ceil(num_sequences / batch_size), count)
+    my_sequences = sum(min(batch_size, num_sequences - k * batch_size) for k in my_batches)
+    response_tokens = torch.zeros(1, dtype=torch.float64)
     was_training = model.training
     model.eval()
     try:
-        with _requires_grad(params), tqdm(total=num_sequences, desc=f"Fisher[{name}]", unit="seq",
-                                          disable=not show_progress) as progress:
-            for start in range(0, num_sequences, batch_size):
-                batch = [prompt_ids[n % len(prompt_ids)] for n in range(start, min(start + batch_size, num_sequences))]
+        with _requires_grad(params), tqdm(total=my_sequences, desc=f"Fisher[{name}]", unit="seq",
+                                          disable=not show_progress or rank != 0) as progress:
+            for k in my_batches:
+                indices = range(k * batch_size, min((k + 1) * batch_size, num_sequences))
+                batch = [prompt_ids[(n // num_samples_per_prompt) % len(prompt_ids)] for n in indices]
                 if labels is None:
-                    drawn = sample_responses(model, batch, sampler, max_new_tokens, eos_ids, pad_id, generator)
+                    drawn = sample_responses(model, batch, sampler, max_new_tokens, eos_ids, pad_id,
+                                             batch_generator(seed, k))
                 else:
-                    drawn = [labels[n % len(labels)] for n in range(start, start + len(batch))]
-                for prompt, response in zip(batch, drawn):
-                    add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
-                    response_tokens += len(response)
-                    progress.update(1)
+                    drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
+                if estimator == "token":
+                    batch, drawn = _one_token_samples(batch, drawn)
+                for start in range(0, len(batch), batch_size):
+                    score(model, params, sums, batch[start:start + batch_size], drawn[start:start + batch_size],
+                          sampler, pad_id)
+                response_tokens += sum(len(r) for r in drawn)
+                progress.update(len(indices))
     finally:
         model.train(was_training)
+    all_reduce_sum_([*sums, response_tokens])
 
     fisher = {n: s.div_(num_sequences).cpu() for (n, _), s in zip(named, sums)}
     metadata = {
@@ -106,11 +139,13 @@ def estimate_fisher(
         "base_model_revision": getattr(model.config, "_commit_hash", None),
         "estimator": estimator,
         "sampler": {**sampler.as_dict(), "max_new_tokens": max_new_tokens} if labels is None else None,
+        "num_samples_per_prompt": num_samples_per_prompt,
+        "num_processes": count,
         "num_sequences": num_sequences,
         "num_prompts": len(prompt_ids),
         "prompts_sha256": fingerprint(prompt_ids),
         "seed": seed,
-        "mean_response_tokens": response_tokens / num_sequences,
+        "mean_response_tokens": float(response_tokens) / num_sequences,
         "trainable_only": trainable_only,
         "library_version": _version(),
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -118,8 +153,24 @@ def estimate_fisher(
     return FisherAnchor(fisher, name=name, metadata=metadata)
 
 
+def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id) -> None:
+    """The plain reference: one forward and backward per sequence."""
+    for prompt, response in zip(prompts, responses):
+        add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
+
+
+_ENGINE_FUNCTIONS = {"batched": add_batched_squared_scores, "loop": _loop_engine}
+
+
+def _one_token_samples(prompts, responses):
+    """The token estimator's samples: (x + y_<t, [y_t]) for every response position t, so that
+    sum over samples of squared scores = sum_n sum_t (d log mu(y_t | x, y_<t))^2."""
+    pairs = [(p + r[:t], [r[t]]) for p, r in zip(prompts, responses) for t in range(len(r))]
+    return [p for p, _ in pairs], [r for _, r in pairs]
+
+
 def _labels(responses, tokenizer, num_prompts: int, estimator: str):
-    if estimator == "sequence":
+    if estimator != "empirical":
         if responses is not None:
             raise CFPArgumentError("responses= is only for estimator='empirical'; on-policy sampling draws its own.")
         return None

@@ -9,6 +9,7 @@ d/dtheta log mu(y|x) is centered under the distribution mu that drew y:
 temperature 1 and no truncation mu is the model's own pi.
 """
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 
@@ -55,6 +56,13 @@ class Sampler:
 
     def as_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+def batch_generator(seed: int, batch_index: int) -> torch.Generator:
+    """The random stream of batch `batch_index`: every batch has its own, derived from the seed,
+    so that any split of the batches over processes draws the same tokens."""
+    digest = hashlib.sha256(f"hf-cfp:{seed}:{batch_index}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
 @torch.no_grad()
