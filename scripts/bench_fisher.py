@@ -5,13 +5,14 @@ peak memory is its own):
   floor      one plain batched forward + backward of sum_b log mu(y_b|x_b) into .grad
   batched    hf-cfp's batched engine (per-sequence gradients in backward hooks, squared, summed)
   loop       the per-sequence loop (one forward + backward per sequence)
-  torch.func per-sample gradients with vmap(grad) (tiny model only: it materialises B x P)
+  torch.func per-sample gradients with vmap(grad) (random Llamas only: it materialises B x P)
 Prints sequences/s, time ratios, extra peak RSS over the loaded model, and the max relative
 difference of each engine's result to the loop. The last line is machine-readable:
 
   RESULT estimator_vs_fwdbwd=<x> estimator_vs_loop=<y> max_rel_diff=<z>
 
-(ratios of times measured in this run, on the tiny model at batch 16).
+(ratios of times measured in this run, on the tiny model at batch 16). Models: a tiny random
+Llama as in the tests (hidden 32), a small one (hidden 128), and SmolLM2-135M when installed.
 
     python scripts/bench_fisher.py [--batch 16] [--repeats 3] [--no-smollm]
 """
@@ -28,17 +29,19 @@ import time
 import torch
 
 ENGINES = ("floor", "batched", "loop", "torch.func")
+SIZES = {"tiny": (32, 128, 2), "small": (128, 512, 4)}  # hidden size, vocabulary, layers
 
 
 def build(model_name: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if model_name == "tiny":
+    if model_name in SIZES:  # random Llamas: tiny as in the tests (hidden 32), small (hidden 128)
+        hidden, vocab, layers = SIZES[model_name]
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=4, bos_token_id=None, eos_token_id=None,
-                             pad_token_id=None, tie_word_embeddings=True)
-        return LlamaForCausalLM(config), [[i % 500 + 1, (7 * i) % 500 + 1, 3, 4, 5, 6] for i in range(64)]
+        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                             bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
+        return LlamaForCausalLM(config), [[i % 60 + 1, (7 * i) % 60 + 1, 3, 4, 5, 6] for i in range(64)]
     from hf_cfp.data import calibration_prompts
     from hf_cfp.fisher.prompts import to_token_ids
     from hf_cfp.models import EMBEDDED, load_causal_lm
@@ -162,12 +165,12 @@ def main():
     if args.worker:
         worker(*args.worker, args.batch, args.repeats, args.max_new_tokens, args.out)
         return
-    models = ["tiny"] + ([] if args.no_smollm else ["smollm2-135m"])
+    models = [*SIZES] + ([] if args.no_smollm else ["smollm2-135m"])
     result = {}
     with tempfile.TemporaryDirectory() as workdir:
         for model_name in models:
             rows = {e: measure(model_name, e, args, workdir) for e in ENGINES
-                    if not (e == "torch.func" and model_name != "tiny")}
+                    if not (e == "torch.func" and model_name not in SIZES)}
             print(f"\n{model_name}, batch {args.batch}, {args.max_new_tokens} new tokens, "
                   f"{rows['loop'].get('model_mb', 0):.0f} MB of float32 parameters")
             print(f"{'engine':>11} | {'seq/s':>7} | {'time / floor':>12} | {'loop / time':>11} | "
