@@ -9,16 +9,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
 from .drift import free_threshold
+from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
 from .errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
+from .model_card import render_card
 from .names import canonical_name
+from .storage import read_tensors, write_tensors
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "cfp_config.json"
-WEIGHTS_NAME = "fisher.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -87,51 +87,83 @@ class FisherAnchor:
             "top1pct_mass_share": float(top.sum()) / total if total > 0 else 0.0,
         }
 
-    def save_pretrained(self, save_directory: str | os.PathLike) -> None:
-        """Write `fisher.safetensors` and `cfp_config.json` into `save_directory`.
+    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
+                        dtype: str = "float32") -> None:
+        """Write the tensors (`fisher.safetensors`, or shards of at most `max_shard_size` plus
+        `fisher.safetensors.index.json`, as transformers does for weights) and `cfp_config.json`.
 
-        Files are written to temporary names first and renamed, so a failure leaves an
-        anchor already in the directory intact.
+        `dtype="bfloat16"` halves the files (values load back as float32); float16 is refused,
+        Fisher values underflow in it. Tensors are written to temporary names and renamed, the
+        config last, so a failed save leaves an anchor already in the directory intact.
         """
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"format_version": FORMAT_VERSION, "name": self.name, "metadata": self.metadata}
-        text = json.dumps(config, indent=2, sort_keys=True)
-        staged = []
+        fd, staged_config = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_NAME}.")
         try:
-            for filename, write in (
-                (WEIGHTS_NAME, lambda path: save_file(self.fisher, path, metadata={"format": "pt", "cfp_anchor": self.name})),
-                (CONFIG_NAME, lambda path: Path(path).write_text(text)),
-            ):
-                fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{filename}.")
-                os.close(fd)
-                staged.append((tmp, directory / filename))
-                write(tmp)
-            for tmp, final in staged:
-                os.replace(tmp, final)
+            with os.fdopen(fd, "w") as handle:
+                json.dump(config, handle, indent=2, sort_keys=True)
+            write_tensors(directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype,
+                          metadata={"cfp_anchor": self.name})
+            os.replace(staged_config, directory / CONFIG_NAME)
         finally:
-            for tmp, _ in staged:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
+            if os.path.exists(staged_config):
+                os.remove(staged_config)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "FisherAnchor":
-        """Load an anchor saved by `save_pretrained`, validating the format and every value."""
-        directory = Path(path)
-        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    def from_pretrained(
+        cls, repo_id_or_dir: str | os.PathLike, subfolder: str | None = None, revision: str | None = None,
+        token=None, cache_dir=None, local_files_only: bool = False, endpoint: str | None = None,
+    ) -> "FisherAnchor":
+        """Load an anchor from a local directory or a Hub repo, validating the format and every value.
+
+        `repo_id_or_dir` is a directory written by `save_pretrained`, a repo id (`org/model`,
+        with `subfolder="cfp/math"`), or a reference `org/model@revision:cfp/math`. From the Hub
+        only that subfolder's files are downloaded, at `revision` (branch, tag, `refs/pr/N` or
+        commit sha; default main), and the resolved commit is recorded in `metadata["hub"]`.
+        Works offline from the cache (`local_files_only=True` or HF_HUB_OFFLINE=1).
+        """
+        local = Path(repo_id_or_dir) / (subfolder or "")
+        if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
+            return cls._load_directory(local)
+        repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
+        subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)
+        revision = revision or ref_revision
+        directory, commit = download_anchor(repo_id, subfolder, revision, token=token, cache_dir=cache_dir,
+                                            local_files_only=local_files_only, endpoint=endpoint)
+        anchor = cls._load_directory(directory)
+        anchor.metadata["hub"] = {"repo_id": repo_id, "subfolder": subfolder, "revision": revision or "main",
+                                  "commit": commit}
+        return anchor
+
+    @classmethod
+    def _load_directory(cls, directory: Path) -> "FisherAnchor":
         if not directory.is_dir():
             raise AnchorNotFoundError(f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained().")
-        for required in (config_path, weights_path):
-            if not required.is_file():
-                raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {required.name} is missing.")
-        config = _read_config(config_path)
-        try:
-            fisher = load_file(weights_path)
-        except (SafetensorError, OSError, ValueError) as error:
-            raise AnchorFormatError(
-                f"{str(weights_path)!r} is truncated or corrupt ({error}); download or re-save the anchor."
-            ) from error
-        return cls(fisher, name=config["name"], metadata=config.get("metadata"))
+        if not (directory / CONFIG_NAME).is_file():
+            raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
+        config = _read_config(directory / CONFIG_NAME)
+        return cls(read_tensors(directory), name=config["name"], metadata=config.get("metadata"))
+
+    def push_to_hub(
+        self, repo_id: str, path_in_repo: str | None = None, revision: str | None = None, create_pr: bool = False,
+        commit_message: str | None = None, private: bool | None = None, token=None, endpoint: str | None = None,
+    ):
+        """Upload the anchor (tensors, `cfp_config.json`, a model card `README.md`) to
+        `repo_id/path_in_repo` (default `cfp/<name>`) in one commit, creating the repo if needed.
+
+        Push into the base model's own repo (typically `create_pr=True`) or a separate anchors
+        repo; the card's metadata links the base model (`base_model:`) and carries the tags
+        `cfp` and `fisher-anchor`. A failed push leaves the remote unchanged. Returns the CommitInfo.
+        """
+        path_in_repo = safe_subfolder(path_in_repo or f"cfp/{self.name}")
+        with tempfile.TemporaryDirectory(prefix="hf-cfp-push-") as staging:
+            self.save_pretrained(staging)
+            reference = f"{repo_id}:{path_in_repo}"
+            render_card(self, reference).save(Path(staging) / "README.md")
+            return push_folder(Path(staging), repo_id, path_in_repo, revision=revision, create_pr=create_pr,
+                               commit_message=commit_message or f"Add CFP Fisher anchor '{self.name}'",
+                               private=private, token=token, endpoint=endpoint)
 
     def __repr__(self) -> str:
         count = sum(t.numel() for t in self.fisher.values())

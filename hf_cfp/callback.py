@@ -9,8 +9,10 @@ from transformers import TrainerCallback
 
 from .anchor import FisherAnchor
 from .errors import CFPArgumentError
+from .fingerprint import check_fingerprint
 from .protection import CFPState
 from .reporting import add_to_step_log, place_before_reporters
+from .resolve import PendingAnchor, resolve_anchor
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +42,26 @@ class CFPCallback(TrainerCallback):
                              callbacks=[CFPCallback(anchor, lam=10.0)])
         trainer.train()
 
+    Anchors can come from the Hub: ``CFPCallback("org/model@main:cfp/math", lam=10.0)``
+    (``repo@revision:subfolder``; revision and subfolder optional). With
+    ``compute_if_missing=prompts`` an anchor the Hub does not have is estimated at train begin
+    on the model about to be trained, and pushed there if ``push_if_computed``.
+
     Args:
-        anchor: the protecting FisherAnchor, or the directory it was saved to.
+        anchor: the protecting FisherAnchor, a directory it was saved to, or a Hub reference.
         lam: the strength lam >= 0, or a callable ``step -> lam`` called with the optimizer step
             just taken (1-based). Its meaning depends on the Fisher's scale: lam * F_i = 1 halves
             coordinate i's displacement each step (see the README on choosing lam).
             The paper uses 1 for PPO and 10 for DPO.
         monitor: anchors (or directories) whose drift is logged but not corrected.
         free_fraction: share of coordinates, by smallest F, that ``free_drift`` runs over.
+        compute_if_missing: calibration prompts (any form `estimate_fisher` takes) used when
+            `anchor` is a reference that does not exist yet.
+        push_if_computed: push an anchor computed that way to its reference (main process only).
+        estimate_kwargs: more arguments for `estimate_fisher` (num_sequences, max_new_tokens, ...).
+        strict: an anchor computed for another base model (its stored fingerprint differs from
+            the model's names, shapes, dtypes or sampled weights) raises AnchorMismatchError;
+            False downgrades that to a warning.
     """
 
     def __init__(
@@ -56,9 +70,13 @@ class CFPCallback(TrainerCallback):
         lam: float | Callable[[int], float] = 1.0,
         monitor: Sequence[FisherAnchor | str | os.PathLike] = (),
         free_fraction: float = 0.99,
+        compute_if_missing=None,
+        push_if_computed: bool = False,
+        estimate_kwargs: dict | None = None,
+        strict: bool = True,
     ):
-        self.anchor = _as_anchor(anchor)
-        self.monitors = [_as_anchor(m) for m in monitor]
+        self.anchor = resolve_anchor(anchor, compute_if_missing, push_if_computed, estimate_kwargs)
+        self.monitors = [resolve_anchor(m) for m in monitor]
         names = [a.name for a in (self.anchor, *self.monitors)]
         if len(set(names)) != len(names):
             raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
@@ -66,21 +84,26 @@ class CFPCallback(TrainerCallback):
             _check_lam(lam)
         if not 0 < free_fraction < 1:
             raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
-        self.lam, self.free_fraction = lam, free_fraction
+        self.lam, self.free_fraction, self.strict = lam, free_fraction, strict
         self.state: CFPState | None = None
 
     def lam_at(self, step: int) -> float:
         """lam_t for the optimizer step `step` (1-based), validated."""
         return _check_lam(self.lam(step) if callable(self.lam) else self.lam)
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kwargs):
+        if isinstance(self.anchor, PendingAnchor):
+            self.anchor = self.anchor.compute(model, processing_class)
         if self.state is None or self.state.model is not model:  # first train(), or reused with another model
-            if state.global_step > 0:
+            if state.global_step > 0:  # resumed weights are no longer the base model's: no fingerprint check
                 logger.warning(
                     "CFPCallback: resuming at step %d, theta0 is taken from the resumed weights, not the "
                     "original ones, so the path restarts there. Exact resume is not supported yet.",
                     state.global_step,
                 )
+            else:
+                for anchor in (self.anchor, *self.monitors):
+                    check_fingerprint(anchor.metadata.get("base_fingerprint"), model, anchor.name, self.strict)
             self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction)
         place_before_reporters(self)
 
@@ -90,10 +113,6 @@ class CFPCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.state is not None and logs is not None and "loss" in logs:
             add_to_step_log(state, logs, self.state.drift_metrics())
-
-
-def _as_anchor(anchor) -> FisherAnchor:
-    return anchor if isinstance(anchor, FisherAnchor) else FisherAnchor.from_pretrained(anchor)
 
 
 def _check_lam(lam) -> float:

@@ -1,4 +1,4 @@
-"""The `hf-cfp` command line: `demo`, `estimate`, `inspect`."""
+"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`."""
 
 import argparse
 import json
@@ -36,10 +36,32 @@ def _estimate(args) -> None:
               f"p99 {stats['p99']:.3g}, top 1% holds {stats['top1pct_mass_share']:.1%}")
 
 
+def _load(args) -> FisherAnchor:
+    return FisherAnchor.from_pretrained(args.anchor, revision=args.revision, local_files_only=args.offline)
+
+
 def _inspect(args) -> None:
-    anchor = FisherAnchor.from_pretrained(args.anchor)
+    from .model_card import concentration
+
+    anchor = _load(args)
     print(repr(anchor))
-    print(json.dumps(anchor.metadata, indent=2, sort_keys=True))
+    print(json.dumps({**anchor.metadata, "concentration": concentration(anchor)}, indent=2, sort_keys=True))
+
+
+def _pull(args) -> None:
+    anchor = _load(args)
+    if args.output:
+        anchor.save_pretrained(args.output)
+    hub = anchor.metadata.get("hub", {})
+    print(f"{anchor!r} at commit {hub.get('commit')}" + (f", saved to {args.output}" if args.output else " (in the cache)"))
+
+
+def _push(args) -> None:
+    anchor = FisherAnchor.from_pretrained(args.anchor)
+    info = anchor.push_to_hub(args.repo_id, path_in_repo=args.path_in_repo, revision=args.revision,
+                              create_pr=args.create_pr, private=args.private or None)
+    print(f"Pushed {anchor!r} to {args.repo_id}: {getattr(info, 'commit_url', info)}"
+          + (f" (pull request {info.pr_url})" if getattr(info, "pr_url", None) else ""))
 
 
 def main(argv=None) -> None:
@@ -69,9 +91,23 @@ def main(argv=None) -> None:
     estimate.add_argument("--estimator", choices=("sequence", "token"), default="sequence")
     estimate.add_argument("--engine", choices=("batched", "loop"), default="batched")
     estimate.set_defaults(run=_estimate)
-    inspect = commands.add_parser("inspect", help="print an anchor's metadata and statistics")
-    inspect.add_argument("anchor", help="anchor directory")
-    inspect.set_defaults(run=_inspect)
+    push = commands.add_parser("push", help="push a saved anchor to a Hub repo (one commit, with a model card)")
+    push.add_argument("anchor", help="anchor directory")
+    push.add_argument("repo_id", help="e.g. org/model (the base model's repo, with --create-pr) or org/anchors")
+    push.add_argument("--path-in-repo", default=None, help="default cfp/<name>")
+    push.add_argument("--revision", default=None)
+    push.add_argument("--create-pr", action="store_true")
+    push.add_argument("--private", action="store_true")
+    push.set_defaults(run=_push)
+    for command, helps, run in (("pull", "download an anchor (only its files) at a pinned revision", _pull),
+                                ("inspect", "print an anchor's metadata, statistics and concentration", _inspect)):
+        sub = commands.add_parser(command, help=helps)
+        sub.add_argument("anchor", help="anchor directory, or Hub reference org/model[@revision][:subfolder]")
+        sub.add_argument("--revision", default=None, help="branch, tag, refs/pr/N or commit sha")
+        sub.add_argument("--offline", action="store_true", help="use the local cache only")
+        if command == "pull":
+            sub.add_argument("--output", default=None, help="also save a copy to this directory")
+        sub.set_defaults(run=run)
     args = parser.parse_args(argv)
     args.run(args)
 

@@ -27,3 +27,7 @@ class AnchorFormatError(CFPError, ValueError):
 
 class AnchorNotFoundError(CFPError, FileNotFoundError):
     """No anchor where one was asked for."""
+
+
+class CFPHubError(CFPError, RuntimeError):
+    """The Hub refused or failed a request (server error, permissions, network)."""

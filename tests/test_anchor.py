@@ -88,19 +88,19 @@ def test_missing_anchor_is_not_found(tmp_path):
         FisherAnchor.from_pretrained(tmp_path / "nothing")
     (tmp_path / "half").mkdir()
     (tmp_path / "half" / "cfp_config.json").write_text('{"format_version": 1, "name": "m"}')
-    with pytest.raises(AnchorNotFoundError, match="fisher.safetensors is missing"):
+    with pytest.raises(AnchorNotFoundError, match="holds no anchor tensors: neither fisher.safetensors"):
         FisherAnchor.from_pretrained(tmp_path / "half")
 
 
 def test_failed_save_keeps_the_anchor_already_saved(tmp_path, monkeypatch):
     original = anchor_for(tiny_llama(), seed=0)
     original.save_pretrained(tmp_path)
-    import hf_cfp.anchor as anchor_module
+    import hf_cfp.storage as storage_module
 
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(anchor_module, "save_file", broken_save)
+    monkeypatch.setattr(storage_module, "save_file", broken_save)
     with pytest.raises(OSError, match="disk full"):
         anchor_for(tiny_llama(), seed=1).save_pretrained(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cfp_config.json", "fisher.safetensors"]

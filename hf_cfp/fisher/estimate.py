@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from ..anchor import FisherAnchor
 from ..distributed import all_reduce_sum_, process_rank_and_count
 from ..errors import CFPArgumentError
+from ..fingerprint import model_fingerprint
 from ..names import named_trainable_parameters
 from .prompts import fingerprint, to_token_ids
 from .sampling import Sampler, batch_generator, sample_responses
@@ -137,6 +138,7 @@ def estimate_fisher(
     metadata = {
         "base_model": getattr(model.config, "_name_or_path", None) or None,
         "base_model_revision": getattr(model.config, "_commit_hash", None),
+        "base_fingerprint": model_fingerprint(model),
         "estimator": estimator,
         "sampler": {**sampler.as_dict(), "max_new_tokens": max_new_tokens} if labels is None else None,
         "num_samples_per_prompt": num_samples_per_prompt,

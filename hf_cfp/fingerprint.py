@@ -1,0 +1,137 @@
+"""Bind an anchor to the base model it was computed for: a fingerprint of names, shapes, dtypes and bytes.
+
+The fingerprint is small JSON stored in the anchor's metadata. It does not prove two models equal; it
+catches the usual accidents (another model, another size, another checkpoint, another dtype) cheaply.
+"""
+
+import hashlib
+import logging
+import math
+
+import torch
+
+from .errors import AnchorMismatchError
+from .names import named_trainable_parameters
+
+logger = logging.getLogger(__name__)
+
+FINGERPRINT_VERSION = 1
+SAMPLE_BYTES = 1 << 20  # bytes hashed per sampled tensor
+MAX_LISTED = 4096  # parameters listed by name in the fingerprint; larger models keep only the hashes
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _signature(tensor: torch.Tensor) -> str:
+    """`"float32[32,16]"`: dtype and shape of one parameter."""
+    return f"{_dtype(tensor)}[{','.join(map(str, tensor.shape))}]"
+
+
+def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Canonical name -> parameter, all of them (frozen included), tied aliases once."""
+    return dict(named_trainable_parameters(model, trainable_only=False))
+
+
+def _tensor_sha256(name: str, tensor: torch.Tensor) -> str | None:
+    """sha256 of `name|dtype[shape]|` and the first SAMPLE_BYTES bytes of the tensor as stored (on CPU).
+    None for a tensor without data (meta device)."""
+    if tensor.device.type == "meta":
+        return None
+    count = min(tensor.numel(), math.ceil(SAMPLE_BYTES / max(1, tensor.element_size())))
+    head = tensor.detach().reshape(-1)[:count].cpu().contiguous().view(torch.uint8)[:SAMPLE_BYTES]
+    digest = hashlib.sha256(f"{name}|{_signature(tensor)}|".encode())
+    digest.update(head.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _structure_sha256(listing: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{n}\t{s}\n" for n, s in sorted(listing.items())).encode()).hexdigest()
+
+
+def _combined(digests: dict[str, str | None]) -> str:
+    return hashlib.sha256("\n".join(f"{n}\t{d}" for n, d in digests.items()).encode()).hexdigest()
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict:
+    """A fingerprint of `model`'s parameters (canonical names, so wrappers such as DDP's `module.` or
+    torch.compile's `_orig_mod.` do not change it; tied parameters count once):
+
+    - `num_parameters`: sum of numel over all parameters, frozen ones included;
+    - `parameters_sha256`: sha256 of the sorted lines `name<TAB>dtype[shape]`;
+    - `parameters`: {name: "dtype[shape]"} (None above MAX_LISTED parameters), to say what differs;
+    - `sampled_parameters`: the first, middle and last names in sorted order;
+    - `sampled_sha256`: {name: sha256 of `name|dtype[shape]|` + the tensor's first 1 MiB as stored};
+    - `weights_sha256`: sha256 over the sampled names and their digests.
+    """
+    params = _parameters(model)
+    names = sorted(params)
+    listing = {name: _signature(params[name]) for name in names}
+    sampled = list(dict.fromkeys(names[i] for i in (0, len(names) // 2, len(names) - 1))) if names else []
+    digests = {name: _tensor_sha256(name, params[name]) for name in sampled}
+    return {
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "num_parameters": sum(p.numel() for p in params.values()),
+        "parameters_sha256": _structure_sha256(listing),
+        "parameters": listing if len(listing) <= MAX_LISTED else None,
+        "sampled_parameters": sampled,
+        "sampled_sha256": digests,
+        "weights_sha256": _combined(digests),
+    }
+
+
+def _few(names) -> str:
+    names = sorted(names)
+    return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
+    """What differs between a stored fingerprint and the live parameters, as short phrases."""
+    problems = []
+    live_count = sum(p.numel() for p in params.values())
+    if expected.get("num_parameters") is not None and expected["num_parameters"] != live_count:
+        problems.append(f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)")
+    listing = {name: _signature(params[name]) for name in sorted(params)}
+    stored = expected.get("parameters")
+    if isinstance(stored, dict):
+        missing, extra = stored.keys() - listing.keys(), listing.keys() - stored.keys()
+        changed = [n for n in stored.keys() & listing.keys() if stored[n] != listing[n]]
+        if missing:
+            problems.append(f"{len(missing)} parameters of the anchor's base model are missing here: {_few(missing)}")
+        if extra:
+            problems.append(f"{len(extra)} parameters here are not in the anchor's base model: {_few(extra)}")
+        for name in sorted(changed)[:3]:
+            problems.append(f"{name!r} is {stored[name]} in the anchor's base model but {listing[name]} here")
+        if len(changed) > 3:
+            problems.append(f"{len(changed) - 3} more parameters differ in dtype or shape")
+    elif expected.get("parameters_sha256") not in (None, _structure_sha256(listing)):
+        problems.append("parameter names, shapes or dtypes differ (parameters_sha256)")
+    for name, digest in (expected.get("sampled_sha256") or {}).items():
+        if name in params and digest is not None:
+            live = _tensor_sha256(name, params[name])
+            if live is not None and live != digest and (not isinstance(stored, dict) or stored.get(name) == listing[name]):
+                problems.append(f"same names and shapes but different weights: sampled tensor {name!r} differs")
+    return problems
+
+
+def check_fingerprint(expected: dict | None, model: torch.nn.Module, anchor_name: str, strict: bool = True) -> None:
+    """Check that `model` is the base model whose fingerprint (`model_fingerprint`) is `expected`.
+
+    Compares the parameter count, the names/dtypes/shapes and the first 1 MiB of the sampled tensors.
+    On a difference raise AnchorMismatchError saying what differs and what to do; with strict=False
+    log a warning instead. An empty or None `expected` (anchors saved before fingerprints) passes.
+    """
+    if not expected:
+        return
+    problems = _differences(expected, _parameters(model))
+    if not problems:
+        return
+    message = (
+        f"Anchor {anchor_name!r} was computed for another base model: " + "; ".join(problems) + ". "
+        "Use the base model the anchor was computed for (same checkpoint and torch_dtype; its metadata names "
+        "it), re-estimate the anchor for this model with estimate_fisher(), or pass strict=False to use it anyway."
+    )
+    if strict:
+        raise AnchorMismatchError(message)
+    logger.warning(message)

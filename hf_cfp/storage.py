@@ -1,0 +1,209 @@
+"""An anchor's tensors on disk: safetensors, one file or shards plus an index (the transformers convention).
+
+Small anchors are one `fisher.safetensors`. Anchors larger than `max_shard_size` are
+`fisher-00001-of-0000N.safetensors` shards plus `fisher.safetensors.index.json`
+(`{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}`), as transformers writes
+`model.safetensors.index.json`. When both layouts are present the single file wins, as in
+transformers. Never pickle.
+"""
+
+import json
+import os
+import re
+import secrets
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from .errors import AnchorFormatError, AnchorNotFoundError, CFPArgumentError
+
+WEIGHTS_NAME = "fisher.safetensors"
+INDEX_NAME = "fisher.safetensors.index.json"
+SHARD_PATTERN = re.compile(r"^fisher-\d{5}-of-\d{5}\.safetensors$")
+MAX_INDEX_BYTES = 64 << 20
+_STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
+
+
+def is_tensor_file(filename: str) -> bool:
+    """True for the names this module writes: `fisher.safetensors`, its index, its shards."""
+    return filename in (WEIGHTS_NAME, INDEX_NAME) or bool(SHARD_PATTERN.match(filename))
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes in `size`: an int, or "5GB" / "500MB" / "10KB" (powers of 10) / "1GiB" (powers of 2)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    elif isinstance(size, str) and (match := _SIZE.match(size)):
+        value = int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+    else:
+        value = 0
+    if value <= 0:
+        raise CFPArgumentError(
+            f"max_shard_size={size!r} is not a size: pass a positive number of bytes or a string such as "
+            "'5GB', '500MB', '10KB' or '2GiB'."
+        )
+    return value
+
+
+def _plan_shards(tensors: dict[str, torch.Tensor], limit: int, itemsize: int) -> list[list[str]]:
+    """Greedy split in insertion order; a tensor larger than `limit` gets a shard of its own."""
+    shards, current, current_size = [], [], 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * itemsize
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _temporary_path(directory: Path, filename: str) -> str:
+    """A fresh hidden name beside `filename` (created with the usual umask, unlike mkstemp's 0600)."""
+    return str(directory / f".{filename}.{secrets.token_hex(8)}.tmp")
+
+
+def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str = "5GB",
+                  dtype: str = "float32", metadata: dict[str, str] | None = None) -> list[str]:
+    """Write `tensors` (cast to `dtype` for storage) into `directory`; return the file names written.
+
+    Total size = sum_i numel_i * itemsize(dtype). Up to `max_shard_size` bytes: one `fisher.safetensors`;
+    above: `fisher-0000k-of-0000N.safetensors` shards of at most `max_shard_size` bytes each (one tensor
+    larger than that gets its own shard) plus `fisher.safetensors.index.json`. `dtype` is "float32" or
+    "bfloat16"; reading always returns float32. `metadata` (str -> str) goes into every file's header.
+
+    All files are written under temporary names in `directory` and renamed into place only once every
+    one is complete; tensor files of a previous save that the new one does not use are removed after
+    the renames. A failure therefore leaves the previous anchor byte-identical and no temporary files.
+    """
+    if dtype == "float16":
+        raise CFPArgumentError(
+            "dtype='float16' is refused for anchor storage: Fisher values are means of squared scores, often "
+            "far below float16's smallest normal (6e-5), and would underflow to zero or lose precision. "
+            "Use dtype='bfloat16' (float32's range, half the size) or 'float32'."
+        )
+    if dtype not in _STORAGE_DTYPES:
+        raise CFPArgumentError(f"dtype={dtype!r} is not a storage dtype for anchors: use 'float32' or 'bfloat16'.")
+    if not tensors:
+        raise CFPArgumentError("write_tensors got no tensors; pass {parameter_name: tensor, ...}.")
+    torch_dtype, limit = _STORAGE_DTYPES[dtype], parse_size(max_shard_size)
+    header = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    total_size = sum(t.numel() for t in tensors.values()) * itemsize
+    plan = [list(tensors)] if total_size <= limit else _plan_shards(tensors, limit, itemsize)
+
+    if len(plan) == 1:
+        outputs = [(WEIGHTS_NAME, plan[0])]
+    else:
+        outputs = [(f"fisher-{k:05d}-of-{len(plan):05d}.safetensors", names) for k, names in enumerate(plan, 1)]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    staged = []
+    try:
+        for filename, names in outputs:
+            tmp = _temporary_path(directory, filename)
+            staged.append((tmp, filename))
+            shard, storages = {}, set()
+            for name in names:
+                tensor = tensors[name].detach().to(device="cpu", dtype=torch_dtype).contiguous()
+                pointer = tensor.untyped_storage().data_ptr()
+                shard[name] = tensor.clone() if pointer in storages else tensor  # save_file refuses shared memory
+                storages.add(pointer)
+            save_file(shard, tmp, metadata=header)
+        if len(outputs) > 1:
+            index = {"metadata": {"total_size": total_size},
+                     "weight_map": {name: filename for filename, names in outputs for name in names}}
+            tmp = _temporary_path(directory, INDEX_NAME)
+            staged.append((tmp, INDEX_NAME))
+            with open(tmp, "x") as handle:
+                json.dump(index, handle, indent=2, sort_keys=True)
+        for tmp, filename in staged:
+            os.replace(tmp, directory / filename)
+    finally:
+        for tmp, _ in staged:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+    written = [filename for _, filename in staged]
+    for stale in sorted(set(filter(is_tensor_file, os.listdir(directory))) - set(written)):
+        os.remove(directory / stale)
+    return written
+
+
+def _read_file(path: Path, expected: list[str] | None, index_path: Path | None) -> dict[str, torch.Tensor]:
+    what = f"shard {path.name!r} listed in {str(index_path)!r}" if index_path else repr(str(path))
+    if not path.is_file():
+        raise AnchorFormatError(f"The anchor's {what} is missing; download the anchor again or re-save it.")
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            names = list(handle.keys())
+            if expected is not None and set(names) != set(expected):
+                missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
+                raise AnchorFormatError(
+                    f"The anchor's {what} does not match the index: it lacks {missing[:3]} and has unlisted "
+                    f"{extra[:3]}. The shards come from different saves; download or re-save the anchor."
+                )
+            out = {name: handle.get_tensor(name) for name in names}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        if isinstance(error, AnchorFormatError):
+            raise
+        raise AnchorFormatError(
+            f"The anchor's {what} is truncated or corrupt ({error}); download the anchor again or re-save it."
+        ) from error
+    for name, tensor in out.items():
+        if not tensor.is_floating_point():
+            raise AnchorFormatError(f"The anchor's {what} stores {name!r} as {tensor.dtype}; Fisher values are floats.")
+        out[name] = tensor.float()
+    return out
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        if index_path.stat().st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"over {MAX_INDEX_BYTES} bytes")
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("'weight_map' is not a mapping of names to file names")
+        if not weight_map:
+            raise ValueError("'weight_map' is empty")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise AnchorFormatError(f"{str(index_path)!r} is not a valid shard index ({error}); re-save the anchor.") from error
+    for shard in set(weight_map.values()):
+        if not SHARD_PATTERN.match(shard):
+            raise AnchorFormatError(
+                f"{str(index_path)!r} names shard {shard!r}, not a file name of the form "
+                "'fisher-00001-of-00002.safetensors'; the index is corrupt or was not written by hf-cfp."
+            )
+    return weight_map
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """float32 CPU tensors from `fisher.safetensors`, or from the index and its shards, one shard at a time.
+
+    Raises AnchorNotFoundError when `directory` holds neither, and AnchorFormatError naming the file when
+    a shard is missing, does not hold exactly the names the index gives it, or is truncated or corrupt.
+    """
+    directory = Path(directory)
+    single, index_path = directory / WEIGHTS_NAME, directory / INDEX_NAME
+    if single.is_file():
+        return _read_file(single, None, None)
+    if not index_path.is_file():
+        raise AnchorNotFoundError(
+            f"{str(directory)!r} holds no anchor tensors: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there."
+        )
+    weight_map = _read_index(index_path)
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    tensors = {}
+    for shard in sorted(by_shard):
+        tensors.update(_read_file(directory / shard, by_shard[shard], index_path))
+    return {name: tensors[name] for name in weight_map}
