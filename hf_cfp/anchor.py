@@ -148,17 +148,19 @@ class FisherAnchor:
     def push_to_hub(
         self, repo_id: str, path_in_repo: str | None = None, revision: str | None = None, create_pr: bool = False,
         commit_message: str | None = None, private: bool | None = None, token=None, endpoint: str | None = None,
+        max_shard_size: int | str = "5GB", dtype: str = "float32",
     ):
         """Upload the anchor (tensors, `cfp_config.json`, a model card `README.md`) to
         `repo_id/path_in_repo` (default `cfp/<name>`) in one commit, creating the repo if needed.
 
         Push into the base model's own repo (typically `create_pr=True`) or a separate anchors
         repo; the card's metadata links the base model (`base_model:`) and carries the tags
-        `cfp` and `fisher-anchor`. A failed push leaves the remote unchanged. Returns the CommitInfo.
+        `cfp` and `fisher-anchor`. A failed push leaves the remote unchanged. `max_shard_size`
+        and `dtype` are those of `save_pretrained`. Returns the CommitInfo.
         """
         path_in_repo = safe_subfolder(path_in_repo or f"cfp/{self.name}")
         with tempfile.TemporaryDirectory(prefix="hf-cfp-push-") as staging:
-            self.save_pretrained(staging)
+            self.save_pretrained(staging, max_shard_size=max_shard_size, dtype=dtype)
             reference = f"{repo_id}:{path_in_repo}"
             render_card(self, reference).save(Path(staging) / "README.md")
             return push_folder(Path(staging), repo_id, path_in_repo, revision=revision, create_pr=create_pr,

@@ -8,7 +8,7 @@ import posixpath
 import re
 from pathlib import Path
 
-from huggingface_hub import HfApi, snapshot_download
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -64,24 +64,44 @@ def download_anchor(repo_id: str, subfolder: str = "", revision: str | None = No
         raise AnchorNotFoundError(f"Revision {revision!r} not found in {repo_id!r}: use a branch, tag, "
                                   f"refs/pr/N or a commit sha. [{where}]") from error
     except (EntryNotFoundError, LocalEntryNotFoundError) as error:
+        if isinstance(error.__cause__ or error.__context__, HfHubHTTPError):  # a server error, nothing cached
+            raise CFPHubError(f"The Hub failed to serve {where}: {error.__cause__ or error.__context__}. "
+                              "Retry later.") from error
         raise AnchorNotFoundError(f"No anchor at {where} (offline and not cached, or not on the Hub): "
                                   "check the reference, or go online once to cache it.") from error
     except HfHubHTTPError as error:
         raise CFPHubError(f"The Hub failed to serve {where}: {error}. Retry later; nothing was changed.") from error
-    return snapshot / subfolder if subfolder else snapshot, snapshot.name
+    directory = snapshot / subfolder if subfolder else snapshot
+    if not directory.is_dir():
+        raise AnchorNotFoundError(f"{repo_id!r} has no anchor at {subfolder!r} at revision {revision or 'main'} "
+                                  f"(commit {snapshot.name}). [{where}]")
+    return directory, snapshot.name
 
 
 def push_folder(folder: Path, repo_id: str, path_in_repo: str, revision=None, create_pr=False, commit_message=None,
                 private=None, token=None, endpoint=None):
-    """create_repo(exist_ok=True), then one commit with every file of `folder` under `path_in_repo`.
-
-    One commit: a failed push leaves the remote as it was.
-    """
+    """create_repo(exist_ok=True), then ONE commit (`create_commit`, not the multi-commit upload
+    pipeline) adding every file of `folder` under `path_in_repo` and deleting the files left there
+    by an earlier push that this one does not rewrite (e.g. old shards). A failed push leaves
+    the remote as it was, and with create_pr=True no empty pull request behind."""
     api = HfApi(endpoint=endpoint, token=token)
+    target = f"{repo_id}:{path_in_repo}"
     try:
         api.create_repo(repo_id, exist_ok=True, private=private)
-        return api.upload_folder(repo_id=repo_id, folder_path=str(folder), path_in_repo=path_in_repo,
-                                 revision=revision, create_pr=create_pr, commit_message=commit_message)
+        new = {f"{path_in_repo}/{p.relative_to(folder).as_posix()}": p for p in sorted(folder.rglob("*")) if p.is_file()}
+        stale = [f for f in _files_under(api, repo_id, path_in_repo, revision) if f not in new]
+        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in new.items()]
+        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
+        return api.create_commit(repo_id, operations=operations, commit_message=commit_message,
+                                 revision=revision, create_pr=create_pr)
     except HfHubHTTPError as error:
-        raise CFPHubError(f"Pushing to {repo_id!r} ({path_in_repo}) failed: {error}. The remote was not changed "
-                          "(one commit); check the token's write access and retry.") from error
+        raise CFPHubError(f"Pushing to {target} failed: {error}. The remote was not changed (one commit); "
+                          "check the token's write access and retry.") from error
+
+
+def _files_under(api: HfApi, repo_id: str, folder: str, revision) -> list[str]:
+    try:
+        files = api.list_repo_files(repo_id, revision=revision)
+    except RevisionNotFoundError:  # a new branch: nothing to replace
+        return []
+    return [f for f in files if f.startswith(folder + "/")]

@@ -136,6 +136,7 @@ class RequestRecord:
     path: str  # unquoted path, without query
     query: str
     status: int
+    raw_path: str = ""  # as sent, e.g. ".../revision/refs%2Fpr%2F1"
 
 
 @dataclass
@@ -225,6 +226,27 @@ class LocalHub:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+
+    @contextlib.contextmanager
+    def as_default_endpoint(self) -> Iterator["LocalHub"]:
+        """Make this hub huggingface_hub's *default* endpoint for the duration (patches
+        ``constants.ENDPOINT`` / ``HUGGINGFACE_CO_URL_TEMPLATE``, read at import time, and sets
+        ``HF_ENDPOINT`` for subprocesses), so that a call that forgets ``endpoint=`` still lands here
+        instead of huggingface.co. ``HfApi()`` must be created inside the block."""
+        from huggingface_hub import constants
+
+        saved = (constants.ENDPOINT, constants.HUGGINGFACE_CO_URL_TEMPLATE, os.environ.get("HF_ENDPOINT"))
+        constants.ENDPOINT = self.endpoint
+        constants.HUGGINGFACE_CO_URL_TEMPLATE = self.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        os.environ["HF_ENDPOINT"] = self.endpoint
+        try:
+            yield self
+        finally:
+            constants.ENDPOINT, constants.HUGGINGFACE_CO_URL_TEMPLATE = saved[0], saved[1]
+            if saved[2] is None:
+                os.environ.pop("HF_ENDPOINT", None)
+            else:
+                os.environ["HF_ENDPOINT"] = saved[2]
 
     def __enter__(self) -> "LocalHub":
         return self.start()
@@ -445,6 +467,7 @@ class LocalHub:
                       deleted_folders: list[str], title: str, message: str, parent_commit: str | None,
                       create_pr: bool, pr_title: str | None = None) -> tuple[str, Discussion | None]:
         """Validate everything, then move the ref: all or nothing. Caller holds the lock."""
+        deleted_folders = [f.rstrip("/") for f in deleted_folders]
         for p in itertools.chain(adds, deletes, deleted_folders):
             _validate_path(p)
         base_ref = self._writable_ref(repo, revision)
@@ -634,7 +657,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(HubError(500, f"LocalHub internal error: {type(exc).__name__}: {exc}"))
         finally:
             with self.hub._lock:
-                self.hub.requests.append(RequestRecord(method, decoded, split.query, self._status))
+                self.hub.requests.append(RequestRecord(method, decoded, split.query, self._status, raw_path))
 
     def _q(self, name: str, default: str | None = None) -> str | None:
         vals = self._query.get(name)
@@ -1093,8 +1116,9 @@ try:  # a ready-made fixture: `from hub_server import local_hub` in a test modul
 
     @pytest.fixture
     def local_hub() -> Iterator[LocalHub]:
-        """A started ``LocalHub`` with huggingface_hub's offline flag turned off for the test."""
-        with hub_offline_mode(False), LocalHub() as hub:
+        """A started ``LocalHub``, with huggingface_hub's offline flag turned off and the hub set as
+        the client's default endpoint for the test (see ``LocalHub.as_default_endpoint``)."""
+        with hub_offline_mode(False), LocalHub() as hub, hub.as_default_endpoint():
             yield hub
 
 except ImportError:  # pragma: no cover

@@ -168,3 +168,20 @@ def test_duplicate_anchor_names_are_refused():
 def test_callback_accepts_a_directory(tmp_path):
     anchor_for(tiny_llama()).save_pretrained(tmp_path / "a")
     assert CFPCallback(str(tmp_path / "a")).anchor.name == "math"
+
+
+def test_an_anchor_of_another_base_model_is_refused_at_train_begin(caplog):
+    from transformers import TrainerControl, TrainerState
+
+    from hf_cfp import estimate_fisher
+
+    base = tiny_llama(seed=0)
+    anchor = estimate_fisher(base, None, [[1, 2, 3]], num_sequences=2, max_new_tokens=2, show_progress=False, name="m")
+    assert anchor.metadata["base_fingerprint"]["num_parameters"] == sum(p.numel() for p in base.parameters())
+    other = tiny_llama(seed=1)  # same architecture, other weights
+    with pytest.raises(AnchorMismatchError, match="another base model.*different weights"):
+        CFPCallback(anchor).on_train_begin(None, TrainerState(), TrainerControl(), model=other)
+    lenient = CFPCallback(anchor, strict=False)
+    lenient.on_train_begin(None, TrainerState(), TrainerControl(), model=other)
+    assert "another base model" in caplog.text and lenient.state.model is other
+    CFPCallback(anchor).on_train_begin(None, TrainerState(), TrainerControl(), model=base)  # the right one binds
