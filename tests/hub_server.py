@@ -350,20 +350,17 @@ class LocalHub:
 
     def create_branch(self, repo_id: str, branch: str, *, revision: str = "main",
                       repo_type: str = "model") -> str:
-        with self._lock:
-            repo = self._repo(repo_type, repo_id)
-            ref = f"refs/heads/{branch}"
-            if ref in repo.refs:
-                raise HubError(409, f"Branch {branch} already exists")
-            repo.refs[ref] = self._resolve(repo, revision)
-            return repo.refs[ref]
+        return self._create_ref(repo_type, repo_id, "heads", "Branch", branch, revision)
 
     def create_tag(self, repo_id: str, tag: str, *, revision: str = "main", repo_type: str = "model") -> str:
+        return self._create_ref(repo_type, repo_id, "tags", "Tag", tag, revision)
+
+    def _create_ref(self, repo_type: str, repo_id: str, kind: str, label: str, name: str, revision: str) -> str:
         with self._lock:
             repo = self._repo(repo_type, repo_id)
-            ref = f"refs/tags/{tag}"
+            ref = f"refs/{kind}/{name}"
             if ref in repo.refs:
-                raise HubError(409, f"Tag {tag} already exists")
+                raise HubError(409, f"{label} {name} already exists")
             repo.refs[ref] = self._resolve(repo, revision)
             return repo.refs[ref]
 

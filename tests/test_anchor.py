@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import tiny_llama
+from tiny import anchor_for, tiny_llama
 
 from hf_cfp import (
     AnchorFormatError,
@@ -20,11 +20,6 @@ from hf_cfp import (
 from hf_cfp.names import canonical_name
 from hf_cfp.protection import CFPState
 
-
-def anchor_for(model, name="math", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return FisherAnchor({n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}, name=name,
-                        metadata={"base_model": "tiny", "num_sequences": 4})
 
 
 def test_round_trip_is_exact(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hub_server import hub_offline_mode, local_hub, no_backoff_sleep  # noqa: F401  (local_hub is a fixture)
 from huggingface_hub import ModelCard
-from tiny import tiny_llama
+from tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState
 
 from hf_cfp import (
@@ -21,11 +21,6 @@ from hf_cfp import (
 from hf_cfp.cli import main
 from hf_cfp.errors import CFPHubError
 
-
-def anchor_for(model, name="math", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return FisherAnchor({n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}, name=name,
-                        metadata={"base_model": "org/base"})
 
 
 def same(a, b):

@@ -38,3 +38,12 @@ def tiny_tokenizer(vocab_size=300):
                                       bos_token="<s>", eos_token="</s>")
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
+
+
+def anchor_for(model, name="math", seed=0):
+    """A FisherAnchor of uniform random values over every parameter of `model`."""
+    from hf_cfp import FisherAnchor
+
+    g = torch.Generator().manual_seed(seed)
+    return FisherAnchor({n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}, name=name,
+                        metadata={"base_model": "org/base"})
