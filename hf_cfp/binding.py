@@ -1,10 +1,18 @@
-"""Bind an anchor to a live model: match canonical names, check shapes, move F to each device."""
+"""Bind an anchor to a live model: match canonical names, check shapes, move F to each device.
+
+Under DDP every process holds full parameters and binds the full F. Under FSDP2 (`fully_shard`)
+a parameter is a DTensor sharded on dim 0: a process owns its local shard only, so it binds the
+slice of F at the same offsets, and corrects and measures that shard alone.
+"""
 
 import logging
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .distributed import process_rank_and_count
 from .errors import AnchorMismatchError
 from .names import canonical_name
 
@@ -17,7 +25,39 @@ class BoundTensor:
 
     name: str
     param: torch.nn.Parameter
-    fisher: torch.Tensor  # float32, on the parameter's device
+    fisher: torch.Tensor  # float32, on the parameter's device; for a DTensor, its local shard only
+    sharded: bool  # a DTensor split across processes: sums over it are added across processes
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    """What this process holds and updates of `param`: a DTensor's local shard, else `param` itself.
+
+    Resolved at each use, not cached: FSDP2 may replace a shard's tensor at its lazy init.
+    """
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def _local_fisher(name: str, fisher: torch.Tensor, param: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(F restricted to this process's part of `param`, whether `param` is sharded across processes).
+
+    For a DTensor: the slice F[o_0 : o_0 + n_0, o_1 : o_1 + n_1, ...] with the local shard's shape n
+    and global offset o, copied so that only the shard's memory is kept.
+    """
+    if not isinstance(param, DTensor):
+        return fisher, False
+    placements, mesh = tuple(param.placements), param.device_mesh
+    sharded = any(pl.is_shard() for pl in placements)
+    if sharded and (mesh.size() != process_rank_and_count()[1] or not all(pl.is_shard() for pl in placements)):
+        raise AnchorMismatchError(
+            f"Parameter {name!r} is a DTensor with placements {placements} on a mesh of {mesh.size()} "
+            f"processes: CFP supports parameters sharded over all processes (FSDP2 `fully_shard` on a 1-D "
+            f"mesh), not replicated shards (HSDP) or sub-meshes. Shard over one mesh dimension spanning "
+            f"every process, or use DDP."
+        )
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    for dim, (start, length) in enumerate(zip(offset, shape)):
+        fisher = fisher.narrow(dim, start, length)
+    return fisher.clone(), sharded
 
 
 def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
@@ -25,7 +65,8 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
 
     Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs.
     A tied parameter is bound once, under the first of its names found in the anchor. Frozen
-    parameters never move, so they are skipped (one log line says which).
+    parameters never move, so they are skipped (one log line says which). A DTensor parameter
+    (FSDP2) gets only the slice of F matching its local shard.
     """
     by_name = {}  # every canonical name, tied aliases included -> parameter
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -48,7 +89,8 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
-            bound.append(BoundTensor(name, param, fisher.to(device=param.device, dtype=torch.float32)))
+            fisher, sharded = _local_fisher(name, fisher, param)
+            bound.append(BoundTensor(name, param, fisher.to(device=param.device, dtype=torch.float32), sharded))
     if frozen:
         logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])
     return bound

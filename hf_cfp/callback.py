@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from transformers import TrainerCallback
 
 from .anchor import FisherAnchor
+from .distributed import refuse_unsupported_layout
 from .errors import CFPArgumentError
 from .fingerprint import check_fingerprint
 from .protection import CFPState
@@ -95,6 +96,7 @@ class CFPCallback(TrainerCallback):
         if isinstance(self.anchor, PendingAnchor):
             self.anchor = self.anchor.compute(model, processing_class)
         if self.state is None or self.state.model is not model:  # first train(), or reused with another model
+            refuse_unsupported_layout(model, args)
             if state.global_step > 0:  # resumed weights are no longer the base model's: no fingerprint check
                 logger.warning(
                     "CFPCallback: resuming at step %d, theta0 is taken from the resumed weights, not the "

@@ -37,3 +37,22 @@ def all_reduce_sum_(tensors: list[torch.Tensor], bucket_elements: int = 2**24) -
             for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
                 t.copy_(part.view_as(t))
         bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
+
+
+def refuse_unsupported_layout(model: torch.nn.Module, args=None) -> None:
+    """Raise CFPError for training layouts CFP cannot correct yet, instead of correcting wrongly:
+    DeepSpeed ZeRO (its fp32 master partitions would overwrite the correction at the next step)
+    and FSDP1 (flat parameters). Plain, DDP and FSDP2 (`fully_shard`) models pass."""
+    import os
+
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from .errors import CFPError
+
+    uses_deepspeed = bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    if uses_deepspeed or any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise CFPError("CFPCallback does not support DeepSpeed ZeRO yet: its fp32 master weights would undo the "
+                       "correction at the next step. Train with DDP or FSDP2 (fully_shard) instead.")
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise CFPError("CFPCallback does not support FSDP1 (FullyShardedDataParallel) yet. Use FSDP2: "
+                       "fsdp_version: 2 in the accelerate config (scripts/accelerate/fsdp2.yaml), or DDP.")

@@ -27,7 +27,9 @@ def total_drift_sq(deltas: Sequence[torch.Tensor]) -> float:
 
 
 def sensitive_drift_sq(deltas: Sequence[torch.Tensor], fisher: Sequence[torch.Tensor]) -> float:
-    """sum_i F_i Delta_i^2."""
+    """sum_i F_i Delta_i^2 (0 over no tensors)."""
+    if not deltas:
+        return 0.0
     return _sum_of_squares(torch._foreach_mul(list(deltas), torch._foreach_sqrt(list(fisher))))
 
 

@@ -9,6 +9,7 @@ import logging
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .errors import AnchorMismatchError
 from .names import named_trainable_parameters
@@ -36,8 +37,9 @@ def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _tensor_sha256(name: str, tensor: torch.Tensor) -> str | None:
     """sha256 of `name|dtype[shape]|` and the first SAMPLE_BYTES bytes of the tensor as stored (on CPU).
-    None for a tensor without data (meta device)."""
-    if tensor.device.type == "meta":
+    None for a tensor without data (meta device) or sharded across processes (a DTensor: each
+    process holds other bytes, and gathering them would be a collective)."""
+    if tensor.device.type == "meta" or isinstance(tensor, DTensor):
         return None
     count = min(tensor.numel(), math.ceil(SAMPLE_BYTES / max(1, tensor.element_size())))
     head = tensor.detach().reshape(-1)[:count].cpu().contiguous().view(torch.uint8)[:SAMPLE_BYTES]

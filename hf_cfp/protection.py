@@ -1,4 +1,8 @@
-"""CFP state for one model: theta0 snapshot, per-step correction, drift metrics (no Trainer needed)."""
+"""CFP state for one model: theta0 snapshot, per-step correction, drift metrics (no Trainer needed).
+
+Each process keeps theta0 and F for what it holds (full parameters under DDP, local shards under
+FSDP2), corrects that alone, and adds its shards' sums of squares to the other processes' ones.
+"""
 
 import math
 from collections import defaultdict
@@ -6,12 +10,13 @@ from collections import defaultdict
 import torch
 
 from . import drift
-from .binding import bind_anchor
+from .binding import bind_anchor, local_tensor
 from .correction import apply_correction, lerp_weights
+from .distributed import all_reduce_sum_
 
 
 class _CorrectionGroup:
-    """Protected parameters of one (device, dtype), with theta0 and F, and w cached per lam."""
+    """Protected parameters of one (device, dtype), with local theta0 and F, and w cached per lam."""
 
     def __init__(self, params, theta0, fisher):
         self.params, self.theta0, self.fisher = params, theta0, fisher
@@ -20,7 +25,7 @@ class _CorrectionGroup:
     def correct(self, lam: float) -> None:
         if lam != self._lam:
             self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
-        apply_correction(self.params, self.theta0, self._weights)
+        apply_correction([local_tensor(p) for p in self.params], self.theta0, self._weights)
 
 
 class CFPState:
@@ -28,21 +33,26 @@ class CFPState:
 
     theta0 (float32) is kept for every trainable parameter covered by any anchor, so
     `cfp/total_drift` = ||theta - theta0|| runs over that union. Only `anchor` is corrected.
+    theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
+    free-drift threshold comes from the anchor's full F, so it is the same on every process.
     """
 
     def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99):
         self.model = model
         bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
-        self.params, index = [], {}
+        full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
+        self.params, self.sharded, index = [], [], {}
         for tensors in bound.values():
             for t in tensors:
                 if id(t.param) not in index:
                     index[id(t.param)] = len(self.params)
                     self.params.append(t.param)
-        self.theta0 = [p.detach().float().clone() for p in self.params]
+                    self.sharded.append(t.sharded)
+        self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
         self.views = {
             name: ([index[id(t.param)] for t in tensors], [t.fisher for t in tensors],
-                   drift.free_threshold([t.fisher for t in tensors], free_fraction) if tensors else math.inf)
+                   drift.free_threshold([full_fisher[name][t.name] for t in tensors], free_fraction)
+                   if tensors else math.inf)
             for name, tensors in bound.items()
         }
         groups = defaultdict(lambda: ([], [], []))
@@ -62,12 +72,26 @@ class CFPState:
 
     @torch.no_grad()
     def drift_metrics(self) -> dict[str, float]:
-        """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift` per anchor and `cfp/total_drift`."""
-        deltas = torch._foreach_sub([p.detach().float() for p in self.params], self.theta0)
-        metrics = {}
-        for name, (indices, fisher, threshold) in self.views.items():
-            mine = [deltas[i] for i in indices]
-            metrics[f"cfp/{name}/sensitive_drift"] = math.sqrt(drift.sensitive_drift_sq(mine, fisher))
-            metrics[f"cfp/{name}/free_drift"] = math.sqrt(drift.free_drift_sq(mine, fisher, threshold))
-        metrics["cfp/total_drift"] = math.sqrt(drift.total_drift_sq(deltas))
-        return metrics
+        """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift` per anchor and `cfp/total_drift`.
+
+        Each is sqrt(S_replicated + sum over processes of S_shard): sums of squares S over the
+        local tensors, where only sharded ones are all-reduced (a replicated tensor counts once).
+        Every process returns the same, global values; with sharded parameters every process must
+        call this (one collective).
+        """
+        deltas = torch._foreach_sub([local_tensor(p).detach().float() for p in self.params], self.theta0)
+        squares = defaultdict(list)  # metric -> [S over replicated tensors, S over this process's shards]
+        for sharded in (False, True):
+            for name, (indices, fisher, threshold) in self.views.items():
+                part = [(deltas[i], f) for i, f in zip(indices, fisher) if self.sharded[i] == sharded]
+                mine, mine_fisher = [d for d, _ in part], [f for _, f in part]
+                squares[f"cfp/{name}/sensitive_drift"].append(drift.sensitive_drift_sq(mine, mine_fisher))
+                squares[f"cfp/{name}/free_drift"].append(drift.free_drift_sq(mine, mine_fisher, threshold))
+            squares["cfp/total_drift"].append(
+                drift.total_drift_sq([d for d, s in zip(deltas, self.sharded) if s == sharded]))
+        shard_sums = torch.tensor([s for _, s in squares.values()], dtype=torch.float64)
+        if any(self.sharded):
+            shard_sums = shard_sums.to(self.theta0[self.sharded.index(True)].device)
+            all_reduce_sum_([shard_sums])
+        return {key: math.sqrt(replicated + float(shards))
+                for (key, (replicated, _)), shards in zip(squares.items(), shard_sums)}

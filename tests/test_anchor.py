@@ -180,3 +180,22 @@ def test_an_anchor_of_another_base_model_is_refused_at_train_begin(caplog):
     lenient.on_train_begin(None, TrainerState(), TrainerControl(), model=other)
     assert "another base model" in caplog.text and lenient.state.model is other
     CFPCallback(anchor).on_train_begin(None, TrainerState(), TrainerControl(), model=base)  # the right one binds
+
+
+def test_deepspeed_and_fsdp1_are_refused_with_a_clear_error(monkeypatch):
+    from types import SimpleNamespace
+
+    from transformers import TrainerControl, TrainerState
+
+    from hf_cfp import CFPError
+
+    model = tiny_llama()
+    callback = CFPCallback(anchor_for(model))
+    with pytest.raises(CFPError, match="does not support DeepSpeed ZeRO yet"):
+        callback.on_train_begin(SimpleNamespace(deepspeed="ds_config.json"), TrainerState(), TrainerControl(), model=model)
+    monkeypatch.setattr(model.model.norm.weight, "ds_id", 3, raising=False)  # a ZeRO-3 partitioned parameter
+    with pytest.raises(CFPError, match="DeepSpeed"):
+        callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model)
+    monkeypatch.delattr(model.model.norm.weight, "ds_id")
+    callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model)  # a plain model binds
+    assert callback.state.model is model
