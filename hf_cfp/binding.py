@@ -14,6 +14,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .distributed import process_rank_and_count
 from .errors import AnchorMismatchError
+from .fsdp1 import flat_pieces
 from .names import canonical_name
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,10 @@ def local_tensor(param: torch.Tensor) -> torch.Tensor:
 
     Resolved at each use, not cached: FSDP2 may replace a shard's tensor at its lazy init.
     """
+    if hasattr(param, "ds_tensor"):  # DeepSpeed ZeRO-3: this process's partition (hf_cfp/zero.py)
+        from .zero import local_partition
+
+        return local_partition(param)
     return param._local_tensor if isinstance(param, DTensor) else param
 
 
@@ -72,6 +77,7 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
     for name, param in model.named_parameters(remove_duplicate=False):
         by_name.setdefault(canonical_name(name), param)
     bound, seen, frozen = [], set(), []
+    pieces = flat_pieces(model)  # FSDP1 (use_orig_params): a parameter is a 1-D view of its piece
     for name, fisher in anchor.fisher.items():
         param = by_name.get(name)
         if param is None:
@@ -80,16 +86,18 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
                 f"Was the anchor computed for another model? (The model's first parameter is "
                 f"{next(iter(by_name), '<none>')!r}.)"
             )
-        if tuple(fisher.shape) != tuple(param.shape):
+        piece = pieces.get(id(param))
+        if tuple(fisher.shape) != tuple(piece.shape if piece else param.shape):
             raise AnchorMismatchError(
                 f"Anchor {anchor.name!r}: parameter {name!r} has shape {tuple(fisher.shape)} in the anchor "
-                f"but {tuple(param.shape)} in the model. Was the anchor computed for another model?"
+                f"but {tuple(piece.shape if piece else param.shape)} in the model. Was the anchor computed "
+                f"for another model?"
             )
         if not param.requires_grad:
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
-            fisher, sharded = _local_fisher(name, fisher, param)
+            fisher, sharded = (piece.fisher(fisher), True) if piece else _local_fisher(name, fisher, param)
             bound.append(BoundTensor(name, param, fisher.to(device=param.device, dtype=torch.float32), sharded))
     if frozen:
         logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])

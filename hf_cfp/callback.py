@@ -96,7 +96,7 @@ class CFPCallback(TrainerCallback):
         if isinstance(self.anchor, PendingAnchor):
             self.anchor = self.anchor.compute(model, processing_class)
         if self.state is None or self.state.model is not model:  # first train(), or reused with another model
-            refuse_unsupported_layout(model, args)
+            refuse_unsupported_layout(model, args, kwargs.get("optimizer"))
             if state.global_step > 0:  # resumed weights are no longer the base model's: no fingerprint check
                 logger.warning(
                     "CFPCallback: resuming at step %d, theta0 is taken from the resumed weights, not the "
@@ -106,7 +106,7 @@ class CFPCallback(TrainerCallback):
             else:
                 for anchor in (self.anchor, *self.monitors):
                     check_fingerprint(anchor.metadata.get("base_fingerprint"), model, anchor.name, self.strict)
-            self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction)
+            self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction, kwargs.get("optimizer"))
         place_before_reporters(self)
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -39,20 +39,19 @@ def all_reduce_sum_(tensors: list[torch.Tensor], bucket_elements: int = 2**24) -
         bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
 
 
-def refuse_unsupported_layout(model: torch.nn.Module, args=None) -> None:
+def refuse_unsupported_layout(model: torch.nn.Module, args=None, optimizer=None) -> None:
     """Raise CFPError for training layouts CFP cannot correct yet, instead of correcting wrongly:
-    DeepSpeed ZeRO (its fp32 master partitions would overwrite the correction at the next step)
-    and FSDP1 (flat parameters). Plain, DDP and FSDP2 (`fully_shard`) models pass."""
-    import os
-
+    DeepSpeed without its ZeRO optimizer at hand or with NVMe offload (its fp32 master partitions
+    would overwrite the correction at the next step; `zero.check_supported`), and FSDP1 with flat
+    parameters (use_orig_params=False) or hybrid sharding. Plain, DDP, FSDP2 (`fully_shard`),
+    FSDP1 with use_orig_params=True and DeepSpeed ZeRO-1/2/3 models pass."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from .errors import CFPError
+    from . import zero
 
-    uses_deepspeed = bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    if uses_deepspeed or any(hasattr(p, "ds_id") for p in model.parameters()):
-        raise CFPError("CFPCallback does not support DeepSpeed ZeRO yet: its fp32 master weights would undo the "
-                       "correction at the next step. Train with DDP or FSDP2 (fully_shard) instead.")
+    if zero.uses_deepspeed(model, args):
+        zero.check_supported(model, optimizer)  # ZeRO-1/2/3 with its optimizer passes
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise CFPError("CFPCallback does not support FSDP1 (FullyShardedDataParallel) yet. Use FSDP2: "
-                       "fsdp_version: 2 in the accelerate config (scripts/accelerate/fsdp2.yaml), or DDP.")
+        from .fsdp1 import flat_pieces
+
+        flat_pieces(model)  # FSDP1: raises CFPError unless use_orig_params=True with full (non-hybrid) sharding

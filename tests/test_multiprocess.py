@@ -1,12 +1,9 @@
 """`hf-cfp estimate` on 2 CPU processes (torchrun, gloo) gives the single-process anchor."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
-from tiny import tiny_llama, tiny_tokenizer
+from tiny import tiny_llama, tiny_tokenizer, torchrun
 
 from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.models import load_causal_lm
@@ -22,13 +19,7 @@ def test_two_processes_give_the_single_process_anchor(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("two plus three\nwhat is the answer\nprint the sum\n")
     options = ["--num-sequences", "10", "--batch-size", "3", "--max-new-tokens", "5", "--seed", "4", "--name", "math"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
-         str(SCRIPT), "--model", str(model_dir), "--prompts", str(prompts), "--output", str(tmp_path / "two"),
-         *options],
-        env=env, capture_output=True, text=True, timeout=300,
-    )
+    run = torchrun(SCRIPT, "--model", model_dir, "--prompts", prompts, "--output", tmp_path / "two", *options)
     assert run.returncode == 0, run.stderr[-3000:]
     two = FisherAnchor.from_pretrained(tmp_path / "two")
     assert two.metadata["num_processes"] == 2

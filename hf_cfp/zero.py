@@ -1,0 +1,192 @@
+"""DeepSpeed ZeRO-1/2/3: the correction must reach the optimizer's fp32 master partitions.
+
+Under ZeRO-1/2 every process holds the full (bit16 or fp32) model parameters, but the optimizer
+steps its own fp32 master copy, split into one flat partition per process, and copies it back
+into the model parameters after each step. A correction applied to the model parameters alone is
+therefore overwritten at the next step (on 2 CPU processes the run ended 3e-2 away from the
+single-process one). So each process also corrects its fp32 master partition: for every
+protected parameter, the fragment of that partition it owns (DeepSpeed's `param._hp_mapping`:
+a view into the partition plus the offset of the fragment inside the flattened parameter), with
+the matching slice of F and theta0. The model parameters are corrected as under DDP (full F and
+theta0, the same on every process), so they agree with the master copy: bitwise for fp32 models,
+within one rounding of the parameter dtype for bf16/fp16 ones until the next step rewrites them
+from the master copy.
+
+Under ZeRO-3 a parameter's data is this process's partition of the flattened parameter
+(`param.ds_tensor`, padded at the end; `param.data` is empty between uses), and the fp32 master
+copy is a partition of the same offsets. CFP binds the slice of F at those offsets
+(`bind_zero3`), takes theta0 from the partition, corrects the partition (through
+`binding.local_tensor`) and the fp32 master partition (`Zero3MasterCorrection`), and sums the
+metrics' squares over partitions (all-reduced: disjoint pieces). Parameters kept gathered by the
+persistence thresholds (`ds_persist`) hold a full copy that the next forward uses: after the
+correction they are re-gathered from their corrected partitions, as DeepSpeed does after a step.
+
+Nothing here imports deepspeed: the optimizer is recognized by its attributes.
+"""
+
+import torch
+
+from .correction import apply_correction, lerp_weights
+from .errors import CFPError
+
+
+def uses_deepspeed(model: torch.nn.Module, args=None) -> bool:
+    """Whether this training run is driven by DeepSpeed (Trainer args, accelerate env or ZeRO-3 params)."""
+    import os
+
+    return (bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+            or any(hasattr(p, "ds_id") for p in model.parameters()))
+
+
+def zero_optimizer(optimizer):
+    """The DeepSpeed ZeRO optimizer inside `optimizer` (unwrapping accelerate's wrapper), or None."""
+    for _ in range(4):
+        if optimizer is None:
+            return None
+        if hasattr(optimizer, "single_partition_of_fp32_groups") or hasattr(optimizer, "fp32_partitioned_groups_flat"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
+
+
+def check_supported(model: torch.nn.Module, optimizer) -> None:
+    """Raise CFPError unless `optimizer` is a ZeRO-1/2/3 optimizer whose partitions CFP can correct."""
+    zero = zero_optimizer(optimizer)
+    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False):
+            raise CFPError("CFPCallback under DeepSpeed ZeRO-3 does not support NVMe offload (its fp32 master "
+                           "partitions are swapped out between steps). Offload to the CPU or not at all.")
+        if any(p.requires_grad and not hasattr(p, "ds_tensor") for p in model.parameters()):
+            raise CFPError("CFPCallback under DeepSpeed ZeRO-3: a trainable parameter is not partitioned "
+                           "(no `ds_tensor`); this DeepSpeed version is not supported.")
+        return
+    if zero is None:
+        raise CFPError(
+            f"CFPCallback runs under DeepSpeed but its `optimizer` argument is not a ZeRO optimizer (got "
+            f"{type(optimizer).__name__}); without it the fp32 master weights would undo the correction. Use "
+            f"transformers.Trainer (or a TRL trainer, which pass the optimizer) with zero_optimization.stage 1, "
+            f"2 or 3, or train with DDP or FSDP2.")
+    for param in model.parameters():
+        if param.requires_grad and not hasattr(param, "_hp_mapping"):
+            raise CFPError(
+                "CFPCallback under DeepSpeed ZeRO-1/2: a trainable parameter is not linked to the optimizer's "
+                "fp32 master partition (no `_hp_mapping`); this DeepSpeed version is not supported.")
+
+
+class MasterCorrection:
+    """This process's fragments of the ZeRO-1/2 fp32 master partition, with F and theta0 sliced to match."""
+
+    def __init__(self, params, theta0, fisher):
+        self.fragments, self.theta0, self.fisher = [], [], []
+        for param, t0, f in zip(params, theta0, fisher):
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:  # this process owns no part of the parameter
+                continue
+            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+            if numel == 0:
+                continue
+            device = mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
+            self.fragments.append(param)
+            self.theta0.append(t0.reshape(-1)[start:start + numel].to(device, torch.float32, copy=True))
+            self.fisher.append(f.reshape(-1)[start:start + numel].to(device, torch.float32, copy=True))
+        self._lam, self._weights = None, None
+
+    def correct(self, lam: float) -> None:
+        if not self.fragments:
+            return
+        if lam != self._lam:
+            self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
+        # Resolved at each use: the fragment is a view into the current fp32 partition.
+        hp = [p._hp_mapping.get_hp_fragment() for p in self.fragments]
+        by_device = {}
+        for item in zip(hp, self.theta0, self._weights):
+            for target, value in zip(by_device.setdefault(item[0].device, ([], [], [])), item):
+                target.append(value)
+        for h, t0, w in by_device.values():
+            apply_correction(h, t0, w)
+
+
+class Zero3MasterCorrection:
+    """ZeRO-3: the fp32 master partitions of the protected parameters, corrected with the same partition
+    slices of F and theta0 as the parameters' own partitions; then persisted parameters are re-gathered."""
+
+    def __init__(self, optimizer, model, params, theta0, fisher):
+        self.optimizer, self.params, self.theta0, self.fisher = optimizer, list(params), list(theta0), list(fisher)
+        self.persisted = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
+        self._lam, self._weights = None, None
+
+    @torch.no_grad()
+    def correct(self, lam: float) -> None:
+        if lam != self._lam:
+            self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
+        for param, t0, w in zip(self.params, self.theta0, self._weights):
+            if t0.numel():
+                # A view into the partition, or a copy on the accelerator when it is offloaded: set it back.
+                hp = self.optimizer.get_local_fp32_param(param)
+                apply_correction([hp.view(-1)[:t0.numel()]], [t0.to(hp.device)], [w.to(hp.device)])
+                self.optimizer.set_local_hp_param(hp, param)
+        if self.persisted:  # their gathered copies predate the correction: release and gather them again
+            self.persisted[0].partition(self.persisted)
+            self.persisted[0].all_gather(self.persisted)
+
+
+def is_zero3(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "ds_tensor") for p in model.parameters())
+
+
+def partition_range(param) -> tuple[int, int]:
+    """(start, numel) of this process's ZeRO-3 partition of `param` in the flattened parameter, padding excluded."""
+    import torch.distributed as dist
+
+    size = param.ds_tensor.numel()
+    start = dist.get_rank(group=param.ds_process_group) * size
+    return start, max(0, min(size, param.ds_numel - start))
+
+
+def local_partition(param) -> torch.Tensor:
+    """This process's ZeRO-3 partition of `param` (1-D, padding excluded); resolved at each use."""
+    return param.ds_tensor.view(-1)[:partition_range(param)[1]]
+
+
+def bind_zero3(anchor, model: torch.nn.Module):
+    """`binding.bind_anchor` for ZeRO-3: shapes checked against `ds_shape`, F sliced to the partition."""
+    import logging
+
+    from .binding import BoundTensor
+    from .errors import AnchorMismatchError
+    from .names import canonical_name
+
+    by_name = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_name.setdefault(canonical_name(name), param)
+    bound, seen, frozen = [], set(), []
+    for name, fisher in anchor.fisher.items():
+        param = by_name.get(name)
+        if param is None:
+            raise AnchorMismatchError(f"Anchor {anchor.name!r} has parameter {name!r}, which the model does not "
+                                      f"have. Was the anchor computed for another model?")
+        shape = tuple(getattr(param, "ds_shape", param.shape))
+        if tuple(fisher.shape) != shape:
+            raise AnchorMismatchError(f"Anchor {anchor.name!r}: parameter {name!r} has shape "
+                                      f"{tuple(fisher.shape)} in the anchor but {shape} in the model.")
+        if not param.requires_grad:
+            frozen.append(name)
+        elif id(param) not in seen:
+            seen.add(id(param))
+            start, numel = partition_range(param)
+            local = fisher.reshape(-1)[start:start + numel].to(param.ds_tensor.device, torch.float32, copy=True)
+            bound.append(BoundTensor(name, param, local, True))
+    if frozen:
+        logging.getLogger(__name__).info("Anchor %r: %d frozen parameters left alone.", anchor.name, len(frozen))
+    return bound
+
+
+def master_correction(model, optimizer, params, theta0, fisher):
+    """The fp32 master correction for the protected `params` under DeepSpeed ZeRO, else None."""
+    zero = zero_optimizer(optimizer)
+    if zero is None:
+        return None
+    check_supported(model, optimizer)
+    if hasattr(zero, "fp32_partitioned_groups_flat"):
+        return Zero3MasterCorrection(zero, model, params, theta0, fisher)
+    return MasterCorrection(params, theta0, fisher)
