@@ -6,8 +6,10 @@ import os
 from collections.abc import Callable, Sequence
 
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .anchor import FisherAnchor
+from .checkpoint import load_theta0, save_theta0
 from .distributed import refuse_unsupported_layout
 from .errors import CFPArgumentError
 from .fingerprint import check_fingerprint
@@ -97,24 +99,35 @@ class CFPCallback(TrainerCallback):
             self.anchor = self.anchor.compute(model, processing_class)
         if self.state is None or self.state.model is not model:  # first train(), or reused with another model
             refuse_unsupported_layout(model, args, kwargs.get("optimizer"))
-            if state.global_step > 0:  # resumed weights are no longer the base model's: no fingerprint check
-                logger.warning(
-                    "CFPCallback: resuming at step %d, theta0 is taken from the resumed weights, not the "
-                    "original ones, so the path restarts there. Exact resume is not supported yet.",
-                    state.global_step,
-                )
+            theta0 = None
+            if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
+                theta0 = load_theta0(_checkpoint_dir(args, state))
+                if theta0 is None:
+                    logger.warning(
+                        "CFPCallback: resuming at step %d from a checkpoint without cfp_theta0: theta0 is taken "
+                        "from the resumed weights, so the path restarts there.", state.global_step)
             else:
                 for anchor in (self.anchor, *self.monitors):
                     check_fingerprint(anchor.metadata.get("base_fingerprint"), model, anchor.name, self.strict)
-            self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction, kwargs.get("optimizer"))
+            self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction, kwargs.get("optimizer"),
+                                  theta0=theta0)
         place_before_reporters(self)
 
     def on_step_end(self, args, state, control, **kwargs):
         self.state.correct(self.lam_at(state.global_step))
 
+    def on_save(self, args, state, control, **kwargs):
+        if self.state is not None:
+            save_theta0(self.state, _checkpoint_dir(args, state))
+
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.state is not None and logs is not None and "loss" in logs:
             add_to_step_log(state, logs, self.state.drift_metrics())
+
+
+def _checkpoint_dir(args, state) -> str:
+    """Where the Trainer writes (and by default resumes) the checkpoint of the current step."""
+    return os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
 def _check_lam(lam) -> float:

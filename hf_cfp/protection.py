@@ -13,6 +13,7 @@ from . import drift, zero
 from .binding import bind_anchor, local_tensor
 from .correction import apply_correction, lerp_weights
 from .distributed import all_reduce_sum_
+from .errors import CFPError
 
 
 class _CorrectionGroup:
@@ -21,6 +22,10 @@ class _CorrectionGroup:
     def __init__(self, params, theta0, fisher):
         self.params, self.theta0, self.fisher = params, theta0, fisher
         self._lam, self._weights = None, None
+
+    def theta0_state(self) -> dict[str, torch.Tensor]:
+        """name -> this process's theta0 (float32, CPU), to save with a checkpoint."""
+        return {name: t.cpu() for name, t in zip(self.names, self.theta0)}
 
     def correct(self, lam: float) -> None:
         if lam != self._lam:
@@ -35,21 +40,26 @@ class CFPState:
     `cfp/total_drift` = ||theta - theta0|| runs over that union. Only `anchor` is corrected.
     theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
+    `theta0` (name -> this process's tensor, as `theta0_state()` gives) restores a saved theta0
+    instead of snapshotting the current weights: resuming from a checkpoint.
     """
 
-    def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99, optimizer=None):
+    def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99, optimizer=None,
+                 theta0: dict[str, torch.Tensor] | None = None):
         self.model = model
         bind = zero.bind_zero3 if zero.is_zero3(model) else bind_anchor  # DeepSpeed ZeRO-3: partitions
         bound = {a.name: bind(a, model) for a in (anchor, *monitors)}
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
-        self.params, self.sharded, index = [], [], {}
+        self.params, self.names, self.sharded, index = [], [], [], {}
         for tensors in bound.values():
             for t in tensors:
                 if id(t.param) not in index:
                     index[id(t.param)] = len(self.params)
                     self.params.append(t.param)
+                    self.names.append(t.name)
                     self.sharded.append(t.sharded)
-        self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
+        self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params] if theta0 is None else \
+            [_restored(theta0, name, local_tensor(p)) for name, p in zip(self.names, self.params)]
         self.views = {
             name: ([index[id(t.param)] for t in tensors], [t.fisher for t in tensors],
                    drift.free_threshold([full_fisher[name][t.name] for t in tensors], free_fraction)
@@ -68,6 +78,10 @@ class CFPState:
         self.master = zero.master_correction(model, optimizer, [t.param for t in protected],
                                              [self.theta0[index[id(t.param)]] for t in protected],
                                              [t.fisher for t in protected])
+
+    def theta0_state(self) -> dict[str, torch.Tensor]:
+        """name -> this process's theta0 (float32, CPU), to save with a checkpoint."""
+        return {name: t.cpu() for name, t in zip(self.names, self.theta0)}
 
     def correct(self, lam: float) -> None:
         """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter."""
@@ -103,3 +117,11 @@ class CFPState:
             all_reduce_sum_([shard_sums])
         return {key: math.sqrt(replicated + float(shards))
                 for (key, (replicated, _)), shards in zip(squares.items(), shard_sums)}
+
+
+def _restored(theta0: dict[str, torch.Tensor], name: str, local: torch.Tensor) -> torch.Tensor:
+    saved = theta0.get(name)
+    if saved is None or saved.shape != local.shape:
+        raise CFPError(f"The saved theta0 has {'no' if saved is None else 'another shape for'} parameter {name!r}: "
+                       "resume with the same model, anchors and number of processes as the original run.")
+    return saved.to(device=local.device, dtype=torch.float32)
