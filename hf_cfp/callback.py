@@ -11,7 +11,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from .anchor import FisherAnchor
 from .checkpoint import load_theta0, save_theta0
 from .distributed import refuse_unsupported_layout
-from .errors import CFPArgumentError
+from .errors import CFPArgumentError, CFPError
 from .fingerprint import check_fingerprint
 from .protection import CFPState
 from .reporting import add_to_step_log, place_before_reporters
@@ -89,6 +89,7 @@ class CFPCallback(TrainerCallback):
             raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
         self.lam, self.free_fraction, self.strict = lam, free_fraction, strict
         self.state: CFPState | None = None
+        self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
 
     def lam_at(self, step: int) -> float:
         """lam_t for the optimizer step `step` (1-based), validated."""
@@ -111,10 +112,31 @@ class CFPCallback(TrainerCallback):
                     check_fingerprint(anchor.metadata.get("base_fingerprint"), model, anchor.name, self.strict)
             self.state = CFPState(model, self.anchor, self.monitors, self.free_fraction, kwargs.get("optimizer"),
                                   theta0=theta0)
+        self._optimizer_size = _optimizer_size(kwargs.get("optimizer"))  # each train() may bring its own optimizer
         place_before_reporters(self)
 
     def on_step_end(self, args, state, control, **kwargs):
+        self._check_optimizer(kwargs.get("optimizer"))
         self.state.correct(self.lam_at(state.global_step))
+
+    def _check_optimizer(self, optimizer) -> None:
+        """Refuse parameters added to the optimizer after bind: theta0 and F were taken for the
+        parameters the optimizer had then, so new ones would be trained unprotected and unmeasured.
+        O(param groups) per step. A step skipped by the fp16 grad scaler is still corrected: the
+        Trainer calls on_step_end for it, and the pull is that of a zero optimizer step."""
+        size = _optimizer_size(optimizer)
+        if size is None:
+            return
+        if self._optimizer_size is None:  # the optimizer was not passed at train begin: first step binds it
+            self._optimizer_size = size
+        elif size != self._optimizer_size:
+            (groups0, params0), (groups, params) = self._optimizer_size, size
+            raise CFPError(
+                f"CFPCallback: the optimizer now has {params} parameters in {groups} param groups, but had {params0} "
+                f"in {groups0} when CFP bound its anchors at train begin ({params - params0:+d} parameters, "
+                f"{groups - groups0:+d} groups). Parameters added after bind would be neither protected nor measured: "
+                "add every parameter to the model and the optimizer before trainer.train(), and do not change the "
+                "optimizer's parameters during training.")
 
     def on_save(self, args, state, control, **kwargs):
         if self.state is not None:
@@ -123,6 +145,14 @@ class CFPCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.state is not None and logs is not None and "loss" in logs:
             add_to_step_log(state, logs, self.state.drift_metrics())
+
+
+def _optimizer_size(optimizer) -> tuple[int, int] | None:
+    """(param groups, parameters) of a torch-style optimizer; None when it has no param_groups."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    return len(groups), sum(len(g["params"]) for g in groups)
 
 
 def _checkpoint_dir(args, state) -> str:

@@ -113,6 +113,7 @@ def estimate_fisher(
     was_training = model.training
     model.eval()
     try:
+        _check_causal_lm(model, prompt_ids[0])
         with _requires_grad(params), tqdm(total=my_sequences, desc=f"Fisher[{name}]", unit="seq",
                                           disable=not show_progress or rank != 0) as progress:
             for k in my_batches:
@@ -190,6 +191,34 @@ def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:
         if source is not None:
             return {int(t) for t in (source if isinstance(source, (list, tuple, set)) else [source])}
     return set()
+
+
+_NOT_A_CAUSAL_LM = (
+    "estimate_fisher needs a causal language model: model(input_ids=..., attention_mask=...) must "
+    "return an output with .logits of shape (batch, sequence, vocab), e.g. an AutoModelForCausalLM; "
+)
+
+
+@torch.no_grad()
+def _check_causal_lm(model, prompt: list[int]) -> None:
+    """One forward on one prompt, so a model that cannot generate fails here with a clear error
+    rather than deep inside sampling or scoring. It draws no random numbers (the model is in
+    eval mode), so the anchor is unchanged."""
+    try:
+        device = next(model.parameters()).device
+    except StopIteration:
+        raise CFPArgumentError(_NOT_A_CAUSAL_LM + f"{type(model).__name__} has no parameters.") from None
+    ids = torch.tensor([prompt], device=device)
+    try:
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    except Exception as error:
+        raise CFPArgumentError(
+            _NOT_A_CAUSAL_LM + f"calling {type(model).__name__} failed with {type(error).__name__}: {error}"
+        ) from error
+    logits = getattr(out, "logits", None)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
+        got = f"logits of shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"{type(out).__name__}"
+        raise CFPArgumentError(_NOT_A_CAUSAL_LM + f"{type(model).__name__} returned {got}.")
 
 
 @contextlib.contextmanager

@@ -87,7 +87,12 @@ def sample_responses(
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                     use_cache=True, **{cache_name: cache})
-        cache = out[cache_name]
+        cache = getattr(out, cache_name, None)
+        if cache is None:
+            raise CFPArgumentError(
+                f"{type(model).__name__} returned no KV cache ({cache_name!r}) with use_cache=True: on-policy "
+                "sampling needs a causal LM that generates with a cache, e.g. an AutoModelForCausalLM."
+            )
         probs = sampler.log_probs(out.logits[:, -1]).exp().cpu()
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
         for row, token in enumerate(tokens):
