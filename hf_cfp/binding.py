@@ -14,7 +14,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .distributed import process_rank_and_count
 from .errors import AnchorMismatchError
-from .fsdp1 import flat_pieces
+from .fsdp1 import flat_parameters, flat_pieces
 from .names import canonical_name
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
         by_name.setdefault(canonical_name(name), param)
     bound, seen, frozen = [], set(), []
     pieces = flat_pieces(model)  # FSDP1 (use_orig_params): a parameter is a 1-D view of its piece
+    for name, (view, piece) in flat_parameters(model).items():  # FSDP1 flat: a view into the local shard
+        by_name[name] = view
+        pieces[id(view)] = piece
     for name, fisher in anchor.fisher.items():
         param = by_name.get(name)
         if param is None:
@@ -93,7 +96,7 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
                 f"but {tuple(piece.shape if piece else param.shape)} in the model. Was the anchor computed "
                 f"for another model?"
             )
-        if not param.requires_grad:
+        if not (piece.trainable if piece else param.requires_grad):
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))

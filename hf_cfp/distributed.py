@@ -42,9 +42,9 @@ def all_reduce_sum_(tensors: list[torch.Tensor], bucket_elements: int = 2**24) -
 def refuse_unsupported_layout(model: torch.nn.Module, args=None, optimizer=None) -> None:
     """Raise CFPError for training layouts CFP cannot correct yet, instead of correcting wrongly:
     DeepSpeed without its ZeRO optimizer at hand or with NVMe offload (its fp32 master partitions
-    would overwrite the correction at the next step; `zero.check_supported`), and FSDP1 with flat
-    parameters (use_orig_params=False) or hybrid sharding. Plain, DDP, FSDP2 (`fully_shard`),
-    FSDP1 with use_orig_params=True and DeepSpeed ZeRO-1/2/3 models pass."""
+    would overwrite the correction at the next step; `zero.check_supported`), and FSDP1 with hybrid
+    sharding or NO_SHARD flat parameters. Plain, DDP, FSDP2 (`fully_shard`), FSDP1 (use_orig_params
+    True or False) and DeepSpeed ZeRO-1/2/3 models pass."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from . import zero
@@ -54,4 +54,4 @@ def refuse_unsupported_layout(model: torch.nn.Module, args=None, optimizer=None)
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         from .fsdp1 import flat_pieces
 
-        flat_pieces(model)  # FSDP1: raises CFPError unless use_orig_params=True with full (non-hybrid) sharding
+        flat_pieces(model)  # FSDP1: raises CFPError for hybrid sharding (or flat NO_SHARD)

@@ -33,11 +33,14 @@ def _signature(tensor: torch.Tensor) -> str:
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Canonical name -> parameter, all of them (frozen included), tied aliases once. Under FSDP1 a
     parameter's 1-D local piece is replaced by a meta tensor of its full shape (listed, not sampled)."""
-    from .fsdp1 import flat_pieces
+    from .fsdp1 import flat_parameters, flat_pieces
 
     pieces = flat_pieces(model)
     params = {name: torch.empty(pieces[id(p)].shape, dtype=p.dtype, device="meta") if id(p) in pieces else p
-              for name, p in named_trainable_parameters(model, trainable_only=False)}
+              for name, p in named_trainable_parameters(model, trainable_only=False)
+              if not name.endswith("_flat_param")}
+    params.update({name: torch.empty(piece.shape, dtype=view.dtype, device="meta")  # FSDP1 flat parameters
+                   for name, (view, piece) in flat_parameters(model).items()})
     # DeepSpeed ZeRO-3: `ds_shape` is the full shape (the data is partitioned): listed, not sampled.
     return {name: torch.empty(p.ds_shape, dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
             for name, p in params.items()}

@@ -132,11 +132,10 @@ def fsdp1_wrap(use_orig_params):
 
 
 def fsdp1_case(rank, world):
-    """FSDP1 with use_orig_params=True trained with the callback; use_orig_params=False refused."""
+    """FSDP1 trained with the callback, with use_orig_params=True and with flat parameters (False)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    from hf_cfp.errors import CFPError
     from hf_cfp.fingerprint import check_fingerprint, model_fingerprint
     from hf_cfp.names import canonical_name
 
@@ -153,15 +152,18 @@ def fsdp1_case(rank, world):
              for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0)}
     with FullyShardedDataParallel.summon_full_params(model):
         params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    try:
-        make_callback(make_model()).on_train_begin(None, TrainerState(), TrainerControl(),
-                                                   model=fsdp1_wrap(use_orig_params=False))
-        refused = None
-    except CFPError as error:
-        refused = str(error)
+    flat = fsdp1_wrap(use_orig_params=False)  # flat parameters: pieces bound as views of the local shards
+    flat_active = all(isinstance(p, FlatParameter) for p in flat.parameters())
+    flat_callback = make_callback(make_model())
+    flat_logs = loop_run(flat, flat_callback, make_rows()[rank::world])
+    flat_owned = {n: (f.numel(), t0.numel()) for n, f, t0 in
+                  zip(flat_callback.anchor.fisher, flat_callback.state.views["math"][1], flat_callback.state.theta0)}
+    with FullyShardedDataParallel.summon_full_params(flat):
+        flat_params = {canonical_name(n): p.detach().clone() for n, p in flat.named_parameters()}
     return {"fsdp1_logs": logs, "fsdp1_params": params, "fsdp1_active": active, "fsdp1_empty": empty,
-            "fsdp1_all_sharded": all(cfp.sharded), "fsdp1_owned": owned, "fsdp1_flat_refused": refused}
-
+            "fsdp1_all_sharded": all(cfp.sharded), "fsdp1_owned": owned,
+            "fsdp1flat_logs": flat_logs, "fsdp1flat_params": flat_params, "fsdp1flat_active": flat_active,
+            "fsdp1flat_all_sharded": all(flat_callback.state.sharded), "fsdp1flat_owned": flat_owned}
 
 if __name__ == "__main__":
     main(sys.argv[1])

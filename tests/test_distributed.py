@@ -120,6 +120,12 @@ def test_fsdp1_orig_params_equals_one_process_with_piece_sized_state(ranks):
         assert sum(local for local, *_ in per_rank) == p.numel(), (name, per_rank)
         assert all(local == f_numel == t0_numel for local, f_numel, t0_numel in per_rank), (name, per_rank)
 
-    # Flat parameters (use_orig_params=False) are refused with an error saying what to do.
-    for r in ranks:
-        assert r["fsdp1_flat_refused"] and "use_orig_params=True" in r["fsdp1_flat_refused"]
+
+
+def test_fsdp1_flat_params_equals_one_process(ranks):
+    """use_orig_params=False: each piece is corrected through a view of the local flat shard."""
+    assert all(r["fsdp1flat_active"] and r["fsdp1flat_all_sharded"] for r in ranks), "FSDP1 flat not sharded"
+    theta0 = matches_single_loop_run(ranks, "fsdp1flat")
+    for name, p in theta0.items():  # F and theta0 per process: its piece only, the pieces cover p
+        per_rank = [r["fsdp1flat_owned"][name] for r in ranks]
+        assert all(f == t0 for f, t0 in per_rank) and sum(f for f, _ in per_rank) == p.numel(), (name, per_rank)
