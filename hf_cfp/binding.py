@@ -16,6 +16,7 @@ from .distributed import process_rank_and_count
 from .errors import AnchorMismatchError
 from .fsdp1 import flat_parameters, flat_pieces
 from .names import canonical_name
+from .zero import zero3_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +71,15 @@ def bind_anchor(anchor, model: torch.nn.Module) -> list[BoundTensor]:
 
     Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs.
     A tied parameter is bound once, under the first of its names found in the anchor. Frozen
-    parameters never move, so they are skipped (one log line says which). A DTensor parameter
-    (FSDP2) gets only the slice of F matching its local shard.
+    parameters never move, so they are skipped (one log line says which). A sharded parameter
+    (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
     """
     by_name = {}  # every canonical name, tied aliases included -> parameter
     for name, param in model.named_parameters(remove_duplicate=False):
         by_name.setdefault(canonical_name(name), param)
     bound, seen, frozen = [], set(), []
     pieces = flat_pieces(model)  # FSDP1 (use_orig_params): a parameter is a 1-D view of its piece
+    pieces.update(zero3_pieces(model))  # DeepSpeed ZeRO-3: a parameter's data is its partition
     for name, (view, piece) in flat_parameters(model).items():  # FSDP1 flat: a view into the local shard
         by_name[name] = view
         pieces[id(view)] = piece

@@ -47,8 +47,7 @@ class CFPState:
     def __init__(self, model: torch.nn.Module, anchor, monitors=(), free_fraction: float = 0.99, optimizer=None,
                  theta0: dict[str, torch.Tensor] | None = None):
         self.model = model
-        bind = zero.bind_zero3 if zero.is_zero3(model) else bind_anchor  # DeepSpeed ZeRO-3: partitions
-        bound = {a.name: bind(a, model) for a in (anchor, *monitors)}
+        bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
         self.params, self.names, self.sharded, index = [], [], [], {}
         for tensors in bound.values():

@@ -130,10 +130,6 @@ class Zero3MasterCorrection:
             self.persisted[0].all_gather(self.persisted)
 
 
-def is_zero3(model: torch.nn.Module) -> bool:
-    return any(hasattr(p, "ds_tensor") for p in model.parameters())
-
-
 def partition_range(param) -> tuple[int, int]:
     """(start, numel) of this process's ZeRO-3 partition of `param` in the flattened parameter, padding excluded."""
     import torch.distributed as dist
@@ -148,37 +144,17 @@ def local_partition(param) -> torch.Tensor:
     return param.ds_tensor.view(-1)[:partition_range(param)[1]]
 
 
-def bind_zero3(anchor, model: torch.nn.Module):
-    """`binding.bind_anchor` for ZeRO-3: shapes checked against `ds_shape`, F sliced to the partition."""
-    import logging
+def zero3_pieces(model: torch.nn.Module) -> dict:
+    """id(param) -> FlatPiece(full shape `ds_shape`, this process's partition range) for every
+    ZeRO-3 parameter, so that `binding.bind_anchor` slices F to the partition as for FSDP1 pieces."""
+    from .fsdp1 import FlatPiece
 
-    from .binding import BoundTensor
-    from .errors import AnchorMismatchError
-    from .names import canonical_name
-
-    by_name = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_name.setdefault(canonical_name(name), param)
-    bound, seen, frozen = [], set(), []
-    for name, fisher in anchor.fisher.items():
-        param = by_name.get(name)
-        if param is None:
-            raise AnchorMismatchError(f"Anchor {anchor.name!r} has parameter {name!r}, which the model does not "
-                                      f"have. Was the anchor computed for another model?")
-        shape = tuple(getattr(param, "ds_shape", param.shape))
-        if tuple(fisher.shape) != shape:
-            raise AnchorMismatchError(f"Anchor {anchor.name!r}: parameter {name!r} has shape "
-                                      f"{tuple(fisher.shape)} in the anchor but {shape} in the model.")
-        if not param.requires_grad:
-            frozen.append(name)
-        elif id(param) not in seen:
-            seen.add(id(param))
+    pieces = {}
+    for param in model.parameters():
+        if hasattr(param, "ds_tensor"):
             start, numel = partition_range(param)
-            local = fisher.reshape(-1)[start:start + numel].to(param.ds_tensor.device, torch.float32, copy=True)
-            bound.append(BoundTensor(name, param, local, True))
-    if frozen:
-        logging.getLogger(__name__).info("Anchor %r: %d frozen parameters left alone.", anchor.name, len(frozen))
-    return bound
+            pieces[id(param)] = FlatPiece(torch.Size(param.ds_shape), start, start + numel, param.requires_grad)
+    return pieces
 
 
 def master_correction(model, optimizer, params, theta0, fisher):
