@@ -1,9 +1,11 @@
-"""hf-cfp: Cumulative Fisher Protection for Hugging Face Trainer and TRL."""
+"""hf-cfp: Cumulative Fisher Protection for Hugging Face Trainer and TRL.
 
-__version__ = "0.1.0"
+Layers, each importing only those below it:
+`errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
+< `integrations` < `demo` < `cli`.
+"""
 
 from .anchor import FisherAnchor
-from .callback import CFPCallback
 from .errors import (
     AnchorFormatError,
     AnchorMismatchError,
@@ -11,17 +13,24 @@ from .errors import (
     AnchorValidationError,
     CFPArgumentError,
     CFPError,
+    CFPHubError,
 )
 from .fisher import estimate_fisher
+from .integrations import CFPCallback
+from .protection import CFPState
+from .version import __version__
 
 __all__ = [
-    "CFPCallback",
-    "FisherAnchor",
-    "estimate_fisher",
-    "CFPError",
-    "CFPArgumentError",
-    "AnchorValidationError",
-    "AnchorMismatchError",
     "AnchorFormatError",
+    "AnchorMismatchError",
     "AnchorNotFoundError",
+    "AnchorValidationError",
+    "CFPArgumentError",
+    "CFPCallback",
+    "CFPError",
+    "CFPHubError",
+    "CFPState",
+    "FisherAnchor",
+    "__version__",
+    "estimate_fisher",
 ]

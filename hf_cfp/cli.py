@@ -3,37 +3,54 @@
 import argparse
 import json
 
+from accelerate import PartialState
+
 from .anchor import FisherAnchor
+from .anchor.statistics import concentration
+from .demo import run_demo
+from .demo.bundled import load_prompts
+from .demo.models import load_causal_lm
+from .fisher import estimate_fisher
 
 
 def _demo(args) -> None:
-    from .demo import run_demo
-
-    run_demo(tiny=args.tiny, steps=args.steps, num_sequences=args.num_sequences,
-             max_new_tokens=args.max_new_tokens, lam=args.lam, output_dir=args.output_dir)
+    run_demo(
+        tiny=args.tiny,
+        steps=args.steps,
+        num_sequences=args.num_sequences,
+        max_new_tokens=args.max_new_tokens,
+        lam=args.lam,
+        output_dir=args.output_dir,
+    )
 
 
 def _estimate(args) -> None:
-    from accelerate import PartialState
-
-    from .data import load_prompts
-    from .fisher import estimate_fisher
-    from .models import load_causal_lm
-
     state = PartialState()  # joins the process group under `accelerate launch` / torchrun
     model, tokenizer = load_causal_lm(args.model)
     model.to(state.device)
     anchor = estimate_fisher(
-        model, tokenizer, load_prompts(args.prompts), num_sequences=args.num_sequences,
-        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, name=args.name,
-        estimator=args.estimator, engine=args.engine, num_samples_per_prompt=args.num_samples_per_prompt,
+        model,
+        tokenizer,
+        load_prompts(args.prompts),
+        num_sequences=args.num_sequences,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        name=args.name,
+        estimator=args.estimator,
+        engine=args.engine,
+        num_samples_per_prompt=args.num_samples_per_prompt,
     )
     if state.is_main_process:
         anchor.save_pretrained(args.output)
         stats = anchor.metadata["statistics"]
-        print(f"Saved {anchor!r} to {args.output}: total mass {stats['total_mass']:.4g}, "
-              f"p99 {stats['p99']:.3g}, top 1% holds {stats['top1pct_mass_share']:.1%}")
+        print(
+            f"Saved {anchor!r} to {args.output}: total mass {stats['total_mass']:.4g}, "
+            f"p99 {stats['p99']:.3g}, top 1% holds {stats['top1pct_mass_share']:.1%}"
+        )
 
 
 def _load(args) -> FisherAnchor:
@@ -41,11 +58,9 @@ def _load(args) -> FisherAnchor:
 
 
 def _inspect(args) -> None:
-    from .model_card import concentration
-
     anchor = _load(args)
     print(repr(anchor))
-    print(json.dumps({**anchor.metadata, "concentration": concentration(anchor)}, indent=2, sort_keys=True))
+    print(json.dumps({**anchor.metadata, "concentration": concentration(anchor.fisher)}, indent=2, sort_keys=True))
 
 
 def _pull(args) -> None:
@@ -53,15 +68,25 @@ def _pull(args) -> None:
     if args.output:
         anchor.save_pretrained(args.output)
     hub = anchor.metadata.get("hub", {})
-    print(f"{anchor!r} at commit {hub.get('commit')}" + (f", saved to {args.output}" if args.output else " (in the cache)"))
+    print(
+        f"{anchor!r} at commit {hub.get('commit')}"
+        + (f", saved to {args.output}" if args.output else " (in the cache)")
+    )
 
 
 def _push(args) -> None:
     anchor = FisherAnchor.from_pretrained(args.anchor)
-    info = anchor.push_to_hub(args.repo_id, path_in_repo=args.path_in_repo, revision=args.revision,
-                              create_pr=args.create_pr, private=args.private or None)
-    print(f"Pushed {anchor!r} to {args.repo_id}: {getattr(info, 'commit_url', info)}"
-          + (f" (pull request {info.pr_url})" if getattr(info, "pr_url", None) else ""))
+    info = anchor.push_to_hub(
+        args.repo_id,
+        path_in_repo=args.path_in_repo,
+        revision=args.revision,
+        create_pr=args.create_pr,
+        private=args.private or None,
+    )
+    print(
+        f"Pushed {anchor!r} to {args.repo_id}: {getattr(info, 'commit_url', info)}"
+        + (f" (pull request {info.pr_url})" if getattr(info, "pr_url", None) else "")
+    )
 
 
 def main(argv=None) -> None:
@@ -75,7 +100,9 @@ def main(argv=None) -> None:
     demo.add_argument("--lam", type=float, default=None, help="CFP strength (default 1 / p99 of the anchor's F)")
     demo.add_argument("--output-dir", default="cfp-demo")
     demo.set_defaults(run=_demo)
-    estimate = commands.add_parser("estimate", help="estimate a Fisher anchor and save it (accelerate launch for many processes)")
+    estimate = commands.add_parser(
+        "estimate", help="estimate a Fisher anchor and save it (accelerate launch for many processes)"
+    )
     estimate.add_argument("--model", default="smollm2-135m", help="local model directory, .gguf file, or smollm2-135m")
     estimate.add_argument("--prompts", default="math", help="bundled set name (math) or a .jsonl/.json/.txt file")
     estimate.add_argument("--output", required=True, help="directory to save the anchor to")
@@ -99,8 +126,10 @@ def main(argv=None) -> None:
     push.add_argument("--create-pr", action="store_true")
     push.add_argument("--private", action="store_true")
     push.set_defaults(run=_push)
-    for command, helps, run in (("pull", "download an anchor (only its files) at a pinned revision", _pull),
-                                ("inspect", "print an anchor's metadata, statistics and concentration", _inspect)):
+    for command, helps, run in (
+        ("pull", "download an anchor (only its files) at a pinned revision", _pull),
+        ("inspect", "print an anchor's metadata, statistics and concentration", _inspect),
+    ):
         sub = commands.add_parser(command, help=helps)
         sub.add_argument("anchor", help="anchor directory, or Hub reference org/model[@revision][:subfolder]")
         sub.add_argument("--revision", default=None, help="branch, tag, refs/pr/N or commit sha")

@@ -33,18 +33,15 @@ SIZES = {"tiny": (32, 128, 2), "small": (128, 512, 4)}  # hidden size, vocabular
 
 
 def build(model_name: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_cfp.demo.bundled import calibration_prompts
+    from hf_cfp.demo.models import EMBEDDED, load_causal_lm, tiny_llama
+    from hf_cfp.fisher.prompts import to_token_ids
 
     if model_name in SIZES:  # random Llamas: tiny as in the tests (hidden 32), small (hidden 128)
         hidden, vocab, layers = SIZES[model_name]
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                             bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=True)
-        return LlamaForCausalLM(config), [[i % 60 + 1, (7 * i) % 60 + 1, 3, 4, 5, 6] for i in range(64)]
-    from hf_cfp.data import calibration_prompts
-    from hf_cfp.fisher.prompts import to_token_ids
-    from hf_cfp.models import EMBEDDED, load_causal_lm
+        model = tiny_llama(vocab_size=vocab, hidden_size=hidden, layers=layers, heads=4, tie=True,
+                           max_position_embeddings=2048)
+        return model, [[i % 60 + 1, (7 * i) % 60 + 1, 3, 4, 5, 6] for i in range(64)]
 
     model, tokenizer = load_causal_lm(EMBEDDED)
     return model, to_token_ids(calibration_prompts("math"), tokenizer)

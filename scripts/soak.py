@@ -17,10 +17,11 @@ import os
 import tempfile
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from hf_cfp import CFPCallback, FisherAnchor
+from hf_cfp.demo.models import tiny_llama
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -37,11 +38,7 @@ def open_fds() -> int:
 
 
 def _tiny_llama(vocab: int, seed: int = 0):
-    config = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+    return tiny_llama(vocab_size=vocab, hidden_size=32, seed=seed, max_position_embeddings=64)
 
 
 def _fisher(model, seed: int, keep=lambda name: True) -> dict:

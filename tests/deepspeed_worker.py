@@ -45,7 +45,7 @@ def main(out):
     PartialState(backend="gloo")
     import torch.distributed as dist
 
-    from hf_cfp.fingerprint import model_fingerprint
+    from hf_cfp.anchor.fingerprint import model_fingerprint
 
     rank = dist.get_rank()
     saved = {}
@@ -60,7 +60,7 @@ def main(out):
     callback = make_checked_callback(model)
     trainer = zero_trainer(2, model, [callback], f"{out}/zero2")
     trainer.train()
-    master = callback.state.master
+    master = callback.protection.master
     saved["zero2_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
     saved["zero2_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved["zero2_optimizer"] = type(trainer.optimizer.optimizer).__name__
@@ -81,8 +81,8 @@ def main(out):
         trainer = zero_trainer(3, model, [callback], f"{out}/{tag}", threshold)
         trainer.train()
         # theta0 and F are kept for this process's partitions only
-        saved[f"{tag}_owned"] = (sum(t.numel() for t in callback.state.theta0),
-                                 sum(f.numel() for f in callback.state.views["math"][1]))
+        saved[f"{tag}_owned"] = (sum(t.numel() for t in callback.protection.theta0),
+                                 sum(f.numel() for f in callback.protection.views["math"][1]))
         saved[f"{tag}_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
         saved[f"{tag}_persisted"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())
         with deepspeed.zero.GatheredParameters(list(model.parameters())):

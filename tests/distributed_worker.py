@@ -89,7 +89,7 @@ def main(out):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from hf_cfp.binding import local_tensor
+    from hf_cfp.parallel import local_tensor
 
     # DDP through the Trainer (it initializes the gloo process group).
     model = make_model()
@@ -105,7 +105,7 @@ def main(out):
     fully_shard(model, mesh=mesh)
     callback = make_callback(model)
     fsdp_logs = loop_run(model, callback, make_rows()[rank::world])
-    cfp = callback.state
+    cfp = callback.protection
     owned = {  # what this process keeps per parameter: (local numel, F numel, F bytes held, theta0 numel)
         n: (local_tensor(p).numel(), f.numel(), f.untyped_storage().nbytes(), t0.numel())
         for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0)
@@ -136,7 +136,7 @@ def fsdp1_case(rank, world):
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
-    from hf_cfp.fingerprint import check_fingerprint, model_fingerprint
+    from hf_cfp.anchor.fingerprint import check_fingerprint, model_fingerprint
     from hf_cfp.names import canonical_name
 
     model = fsdp1_wrap(use_orig_params=True)
@@ -147,7 +147,7 @@ def fsdp1_case(rank, world):
     check_fingerprint(model_fingerprint(make_model()), model, "math")  # full shapes seen through the pieces
     callback = make_callback(make_model())
     logs = loop_run(model, callback, make_rows()[rank::world])
-    cfp = callback.state
+    cfp = callback.protection
     owned = {n: (p.numel(), f.numel(), t0.numel())
              for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0)}
     with FullyShardedDataParallel.summon_full_params(model):
@@ -157,13 +157,13 @@ def fsdp1_case(rank, world):
     flat_callback = make_callback(make_model())
     flat_logs = loop_run(flat, flat_callback, make_rows()[rank::world])
     flat_owned = {n: (f.numel(), t0.numel()) for n, f, t0 in
-                  zip(flat_callback.anchor.fisher, flat_callback.state.views["math"][1], flat_callback.state.theta0)}
+                  zip(flat_callback.anchor.fisher, flat_callback.protection.views["math"][1], flat_callback.protection.theta0)}
     with FullyShardedDataParallel.summon_full_params(flat):
         flat_params = {canonical_name(n): p.detach().clone() for n, p in flat.named_parameters()}
     return {"fsdp1_logs": logs, "fsdp1_params": params, "fsdp1_active": active, "fsdp1_empty": empty,
             "fsdp1_all_sharded": all(cfp.sharded), "fsdp1_owned": owned,
             "fsdp1flat_logs": flat_logs, "fsdp1flat_params": flat_params, "fsdp1flat_active": flat_active,
-            "fsdp1flat_all_sharded": all(flat_callback.state.sharded), "fsdp1flat_owned": flat_owned}
+            "fsdp1flat_all_sharded": all(flat_callback.protection.sharded), "fsdp1flat_owned": flat_owned}
 
 if __name__ == "__main__":
     main(sys.argv[1])

@@ -90,7 +90,7 @@ def test_missing_anchor_is_not_found(tmp_path):
 def test_failed_save_keeps_the_anchor_already_saved(tmp_path, monkeypatch):
     original = anchor_for(tiny_llama(), seed=0)
     original.save_pretrained(tmp_path)
-    import hf_cfp.storage as storage_module
+    import hf_cfp.anchor.storage as storage_module
 
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
@@ -178,7 +178,7 @@ def test_an_anchor_of_another_base_model_is_refused_at_train_begin(caplog):
         CFPCallback(anchor).on_train_begin(None, TrainerState(), TrainerControl(), model=other)
     lenient = CFPCallback(anchor, strict=False)
     lenient.on_train_begin(None, TrainerState(), TrainerControl(), model=other)
-    assert "another base model" in caplog.text and lenient.state.model is other
+    assert "another base model" in caplog.text and lenient.protection.model is other
     CFPCallback(anchor).on_train_begin(None, TrainerState(), TrainerControl(), model=base)  # the right one binds
 
 
@@ -198,4 +198,4 @@ def test_deepspeed_and_fsdp1_are_refused_with_a_clear_error(monkeypatch):
         callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model)
     monkeypatch.delattr(model.model.norm.weight, "ds_id")
     callback.on_train_begin(None, TrainerState(), TrainerControl(), model=model)  # a plain model binds
-    assert callback.state.model is model
+    assert callback.protection.model is model

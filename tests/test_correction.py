@@ -9,7 +9,7 @@ from tiny import tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cfp import CFPCallback, FisherAnchor
-from hf_cfp.correction import apply_correction, lerp_weights
+from hf_cfp.ops import apply_correction, lerp_weights
 from hf_cfp.protection import CFPState
 
 
@@ -172,6 +172,6 @@ def test_a_reused_callback_binds_to_the_new_model(tmp_path):
     train(first, [callback], tmp_path / "first", steps=2)
     theta0 = {n: p.detach().clone() for n, p in second.named_parameters()}
     final = train(second, [callback], tmp_path / "second", steps=2)
-    assert callback.state.model is second
+    assert callback.protection.model is second
     moved = max((final[n] - theta0[n]).abs().max().item() for n in final)
     assert moved < 1e-6  # lam F = 1e6: every coordinate pinned to the second model's theta0

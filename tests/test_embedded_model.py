@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hf_cfp import CFPCallback, estimate_fisher
-from hf_cfp.data import calibration_prompts
-from hf_cfp.models import EMBEDDED, load_causal_lm
+from hf_cfp.demo.bundled import calibration_prompts
+from hf_cfp.demo.models import EMBEDDED, load_causal_lm
 from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_cfp.errors import AnchorMismatchError
-from hf_cfp.fingerprint import check_fingerprint, model_fingerprint
+from hf_cfp.anchor.fingerprint import check_fingerprint, model_fingerprint
 from tests.tiny import tiny_llama
 
 
@@ -95,7 +95,7 @@ def test_without_listing_the_hash_still_catches_structure():
 
 def test_strict_false_warns_instead(caplog):
     expected = model_fingerprint(tiny_llama(seed=0))
-    with caplog.at_level(logging.WARNING, logger="hf_cfp.fingerprint"):
+    with caplog.at_level(logging.WARNING, logger="hf_cfp.anchor.fingerprint"):
         check_fingerprint(expected, tiny_llama(seed=1), "math", strict=False)
     assert len(caplog.records) == 1 and "different weights" in caplog.records[0].getMessage()
 

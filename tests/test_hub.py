@@ -100,7 +100,7 @@ def test_an_anchor_of_another_base_model_is_refused(local_hub):
     with pytest.raises(AnchorMismatchError, match="another base model"):
         callback.on_train_begin(None, TrainerState(), TrainerControl(), model=tiny_llama(seed=1))
     callback.on_train_begin(None, TrainerState(), TrainerControl(), model=base)
-    assert callback.state.model is base
+    assert callback.protection.model is base
 
 
 def test_compute_if_missing_estimates_at_train_begin_and_pushes(local_hub):

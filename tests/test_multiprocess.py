@@ -6,7 +6,7 @@ import torch
 from tiny import tiny_llama, tiny_tokenizer, torchrun
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.models import load_causal_lm
+from hf_cfp.demo.models import load_causal_lm
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "compute_fisher.py"
 

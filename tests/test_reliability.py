@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.anchor import MAX_CONFIG_BYTES
+from hf_cfp.anchor.artifact import MAX_CONFIG_BYTES
 from hf_cfp.errors import AnchorFormatError, CFPArgumentError
 
 from tiny import anchor_for, tiny_llama, tiny_tokenizer
@@ -178,7 +178,7 @@ def _assert_safetensors_and_json(directory, files):
 
 
 def test_pushed_folder_is_only_safetensors_json_and_the_readme(tmp_path, monkeypatch):
-    import hf_cfp.anchor
+    import hf_cfp.anchor.artifact
 
     seen = {}
 
@@ -188,7 +188,7 @@ def test_pushed_folder_is_only_safetensors_json_and_the_readme(tmp_path, monkeyp
         seen["readme"] = (Path(folder) / "README.md").read_text()
         return "pushed"
 
-    monkeypatch.setattr(hf_cfp.anchor, "push_folder", fake_push)
+    monkeypatch.setattr(hf_cfp.anchor.artifact, "push_folder", fake_push)
     assert anchor_for(tiny_llama()).push_to_hub("org/anchors", max_shard_size=2000) == "pushed"
     assert "README.md" in seen["files"]
     assert all(n.endswith((".safetensors", ".json")) for n in seen["files"] if n != "README.md"), seen["files"]

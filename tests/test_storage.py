@@ -6,9 +6,9 @@ import os
 import pytest
 import torch
 
-import hf_cfp.storage as storage
+import hf_cfp.anchor.storage as storage
 from hf_cfp.errors import AnchorFormatError, AnchorNotFoundError, CFPArgumentError
-from hf_cfp.storage import INDEX_NAME, WEIGHTS_NAME, parse_size, read_tensors, write_tensors
+from hf_cfp.anchor.storage import INDEX_NAME, WEIGHTS_NAME, parse_size, read_tensors, write_tensors
 
 
 def make_tensors(seed=0, sizes=(40, 100, 7, 300, 64)):

@@ -1,24 +1,16 @@
 """Tiny models and a tiny tokenizer built in memory: nothing is downloaded."""
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+from hf_cfp.demo.models import tiny_llama  # the one tiny-model builder (demo, scripts, tests)
+
+__all__ = ["CHAT_TEMPLATE", "anchor_for", "tiny_llama", "tiny_tokenizer", "torchrun"]
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
-
-
-def tiny_llama(vocab_size=32, hidden_size=16, layers=2, seed=0, tie=False, eos_token_id=None, **overrides):
-    """A Llama with a few thousand parameters; eos_token_id=None gives fixed-length responses."""
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=tie,
-        bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, **overrides,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def tiny_tokenizer(vocab_size=300):

@@ -2,19 +2,20 @@
 
 import contextlib
 import math
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
 from tqdm.auto import tqdm
 
-from ..anchor import FisherAnchor
-from ..distributed import all_reduce_sum_, process_rank_and_count
+from ..anchor import FisherAnchor, model_fingerprint
 from ..errors import CFPArgumentError
-from ..fingerprint import model_fingerprint
-from ..names import named_trainable_parameters
-from .prompts import fingerprint, to_token_ids
-from .sampling import Sampler, batch_generator, sample_responses
+from ..names import named_parameters_once
+from ..parallel import all_reduce_sum_, process_rank_and_count
+from ..version import __version__
 from .batched import add_batched_squared_scores
+from .prompts import prompts_sha256, to_token_ids
+from .sampling import Sampler, batch_generator, sample_responses
 from .scoring import add_squared_score, sequence_log_prob
 
 ESTIMATORS = ("sequence", "token", "empirical")
@@ -91,9 +92,13 @@ def estimate_fisher(
         raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
     if engine not in ENGINES:
         raise CFPArgumentError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    for argument, value, least in (("num_sequences", num_sequences, 1), ("max_new_tokens", max_new_tokens, 1),
-                                   ("batch_size", batch_size, 1), ("seed", seed, 0),
-                                   ("num_samples_per_prompt", num_samples_per_prompt, 1)):
+    for argument, value, least in (
+        ("num_sequences", num_sequences, 1),
+        ("max_new_tokens", max_new_tokens, 1),
+        ("batch_size", batch_size, 1),
+        ("seed", seed, 0),
+        ("num_samples_per_prompt", num_samples_per_prompt, 1),
+    ):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise CFPArgumentError(f"{argument} must be an integer >= {least}, got {value!r}.")
     sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
@@ -103,7 +108,7 @@ def estimate_fisher(
     pad_id = getattr(tokenizer, "pad_token_id", None) or min(eos_ids, default=0)
     score = _ENGINE_FUNCTIONS[engine]
 
-    named = list(named_trainable_parameters(model, trainable_only))
+    named = list(named_parameters_once(model, trainable_only=trainable_only))
     params = [p for _, p in named]
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     rank, count = process_rank_and_count()
@@ -114,28 +119,40 @@ def estimate_fisher(
     model.eval()
     try:
         _check_causal_lm(model, prompt_ids[0])
-        with _requires_grad(params), tqdm(total=my_sequences, desc=f"Fisher[{name}]", unit="seq",
-                                          disable=not show_progress or rank != 0) as progress:
+        with (
+            _requires_grad(params),
+            tqdm(
+                total=my_sequences, desc=f"Fisher[{name}]", unit="seq", disable=not show_progress or rank != 0
+            ) as progress,
+        ):
             for k in my_batches:
                 indices = range(k * batch_size, min((k + 1) * batch_size, num_sequences))
                 batch = [prompt_ids[(n // num_samples_per_prompt) % len(prompt_ids)] for n in indices]
                 if labels is None:
-                    drawn = sample_responses(model, batch, sampler, max_new_tokens, eos_ids, pad_id,
-                                             batch_generator(seed, k))
+                    drawn = sample_responses(
+                        model, batch, sampler, max_new_tokens, eos_ids, pad_id, batch_generator(seed, k)
+                    )
                 else:
                     drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
                 if estimator == "token":
                     batch, drawn = _one_token_samples(batch, drawn)
                 for start in range(0, len(batch), batch_size):
-                    score(model, params, sums, batch[start:start + batch_size], drawn[start:start + batch_size],
-                          sampler, pad_id)
+                    score(
+                        model,
+                        params,
+                        sums,
+                        batch[start : start + batch_size],
+                        drawn[start : start + batch_size],
+                        sampler,
+                        pad_id,
+                    )
                 response_tokens += sum(len(r) for r in drawn)
                 progress.update(len(indices))
     finally:
         model.train(was_training)
     all_reduce_sum_([*sums, response_tokens])
 
-    fisher = {n: s.div_(num_sequences).cpu() for (n, _), s in zip(named, sums)}
+    fisher = {n: s.div_(num_sequences).cpu() for (n, _), s in zip(named, sums, strict=True)}
     metadata = {
         "base_model": getattr(model.config, "_name_or_path", None) or None,
         "base_model_revision": getattr(model.config, "_commit_hash", None),
@@ -146,11 +163,11 @@ def estimate_fisher(
         "num_processes": count,
         "num_sequences": num_sequences,
         "num_prompts": len(prompt_ids),
-        "prompts_sha256": fingerprint(prompt_ids),
+        "prompts_sha256": prompts_sha256(prompt_ids),
         "seed": seed,
         "mean_response_tokens": float(response_tokens) / num_sequences,
         "trainable_only": trainable_only,
-        "library_version": _version(),
+        "library_version": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     return FisherAnchor(fisher, name=name, metadata=metadata)
@@ -158,17 +175,17 @@ def estimate_fisher(
 
 def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id) -> None:
     """The plain reference: one forward and backward per sequence."""
-    for prompt, response in zip(prompts, responses):
+    for prompt, response in zip(prompts, responses, strict=True):
         add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
 
 
-_ENGINE_FUNCTIONS = {"batched": add_batched_squared_scores, "loop": _loop_engine}
+_ENGINE_FUNCTIONS: dict[str, Callable[..., None]] = {"batched": add_batched_squared_scores, "loop": _loop_engine}
 
 
 def _one_token_samples(prompts, responses):
     """The token estimator's samples: (x + y_<t, [y_t]) for every response position t, so that
     sum over samples of squared scores = sum_n sum_t (d log mu(y_t | x, y_<t))^2."""
-    pairs = [(p + r[:t], [r[t]]) for p, r in zip(prompts, responses) for t in range(len(r))]
+    pairs = [(p + r[:t], [r[t]]) for p, r in zip(prompts, responses, strict=True) for t in range(len(r))]
     return [p for p, _ in pairs], [r for _, r in pairs]
 
 
@@ -186,8 +203,11 @@ def _labels(responses, tokenizer, num_prompts: int, estimator: str):
 
 
 def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:
-    for source in (eos_token_id, getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                   getattr(tokenizer, "eos_token_id", None)):
+    for source in (
+        eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if source is not None:
             return {int(t) for t in (source if isinstance(source, (list, tuple, set)) else [source])}
     return set()
@@ -232,9 +252,3 @@ def _requires_grad(params):
     finally:
         for p in frozen:
             p.requires_grad_(False)
-
-
-def _version() -> str:
-    from .. import __version__
-
-    return __version__

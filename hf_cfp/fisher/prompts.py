@@ -2,7 +2,7 @@
 
 import hashlib
 import json
-from collections.abc import Sequence
+from typing import Any
 
 from ..errors import CFPArgumentError
 
@@ -34,7 +34,7 @@ def _encode_text(item, tokenizer, is_prompt: bool) -> list[int]:
     return tokenizer(item, add_special_tokens=is_prompt)["input_ids"]
 
 
-def to_token_ids(items: Sequence, tokenizer, what: str = "prompt") -> list[list[int]]:
+def to_token_ids(items: Any, tokenizer, what: str = "prompt") -> list[list[int]]:
     """Token ids for each item: strings get the chat template (when the tokenizer has one),
     message lists always do, token-id lists pass through. A Dataset uses its `prompt` column."""
     if hasattr(items, "column_names"):
@@ -61,6 +61,6 @@ def to_token_ids(items: Sequence, tokenizer, what: str = "prompt") -> list[list[
     return encoded
 
 
-def fingerprint(token_ids: list[list[int]]) -> str:
+def prompts_sha256(token_ids: list[list[int]]) -> str:
     """sha256 of the tokenized prompts (after any chat template): identifies the calibration set."""
     return hashlib.sha256(json.dumps(token_ids, separators=(",", ":")).encode()).hexdigest()

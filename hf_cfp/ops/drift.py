@@ -35,7 +35,7 @@ def sensitive_drift_sq(deltas: Sequence[torch.Tensor], fisher: Sequence[torch.Te
 
 def free_drift_sq(deltas: Sequence[torch.Tensor], fisher: Sequence[torch.Tensor], threshold: float) -> float:
     """sum of Delta_i^2 over coordinates with F_i <= threshold."""
-    return _sum_of_squares([torch.where(f <= threshold, d, 0.0) for d, f in zip(deltas, fisher)])
+    return _sum_of_squares([torch.where(f <= threshold, d, 0.0) for d, f in zip(deltas, fisher, strict=True)])
 
 
 def free_threshold(fisher: Sequence[torch.Tensor], free_fraction: float) -> float:

@@ -11,8 +11,9 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from .errors import AnchorMismatchError
-from .names import named_trainable_parameters
+from ..errors import AnchorMismatchError
+from ..names import named_parameters_once
+from ..parallel.shards import held_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -31,19 +32,18 @@ def _signature(tensor: torch.Tensor) -> str:
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Canonical name -> parameter, all of them (frozen included), tied aliases once. Under FSDP1 a
-    parameter's 1-D local piece is replaced by a meta tensor of its full shape (listed, not sampled)."""
-    from .fsdp1 import flat_parameters, flat_pieces
-
-    pieces = flat_pieces(model)
-    params = {name: torch.empty(pieces[id(p)].shape, dtype=p.dtype, device="meta") if id(p) in pieces else p
-              for name, p in named_trainable_parameters(model, trainable_only=False)
-              if not name.endswith("_flat_param")}
-    params.update({name: torch.empty(piece.shape, dtype=view.dtype, device="meta")  # FSDP1 flat parameters
-                   for name, (view, piece) in flat_parameters(model).items()})
-    # DeepSpeed ZeRO-3: `ds_shape` is the full shape (the data is partitioned): listed, not sampled.
-    return {name: torch.empty(p.ds_shape, dtype=p.dtype, device="meta") if hasattr(p, "ds_shape") else p
-            for name, p in params.items()}
+    """Canonical name -> parameter, all of them (frozen included), tied aliases once. A parameter of
+    which this process holds a flat piece only (FSDP1, ZeRO-3; `parallel.shards.held_pieces`) is
+    replaced by a meta tensor of its full shape: listed, not sampled."""
+    flat_views, pieces = held_pieces(model)
+    params: dict[str, torch.Tensor] = {
+        name: p for name, p in named_parameters_once(model, trainable_only=False) if not name.endswith("_flat_param")
+    }
+    params.update(flat_views)
+    return {
+        name: torch.empty(pieces[id(p)].shape, dtype=p.dtype, device="meta") if id(p) in pieces else p
+        for name, p in params.items()
+    }
 
 
 def _tensor_sha256(name: str, tensor: torch.Tensor) -> str | None:
@@ -104,7 +104,9 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     problems = []
     live_count = sum(p.numel() for p in params.values())
     if expected.get("num_parameters") is not None and expected["num_parameters"] != live_count:
-        problems.append(f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)")
+        problems.append(
+            f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)"
+        )
     listing = {name: _signature(params[name]) for name in sorted(params)}
     stored = expected.get("parameters")
     if isinstance(stored, dict):
@@ -123,7 +125,11 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     for name, digest in (expected.get("sampled_sha256") or {}).items():
         if name in params and digest is not None:
             live = _tensor_sha256(name, params[name])
-            if live is not None and live != digest and (not isinstance(stored, dict) or stored.get(name) == listing[name]):
+            if (
+                live is not None
+                and live != digest
+                and (not isinstance(stored, dict) or stored.get(name) == listing[name])
+            ):
                 problems.append(f"same names and shapes but different weights: sampled tensor {name!r} differs")
     return problems
 

@@ -18,8 +18,11 @@ Hybrid sharding is refused.
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import FullyShardedDataParallel
 
-from .errors import CFPError
+from ..errors import CFPError
+from ..names import canonical_name
+from .processes import process_rank_and_count
 
 
 @dataclass(frozen=True)
@@ -33,16 +36,12 @@ class FlatPiece:
 
     def fisher(self, fisher: torch.Tensor) -> torch.Tensor:
         """F restricted to the piece, copied so that only the piece's memory is kept."""
-        return fisher.reshape(-1)[self.start:self.stop].clone()
+        return fisher.reshape(-1)[self.start : self.stop].clone()
 
 
 def flat_pieces(model: torch.nn.Module) -> dict[int, FlatPiece]:
     """id(original parameter) -> FlatPiece for every parameter managed by an FSDP1 unit in `model`
     (empty for a model without FSDP1). Raises CFPError for FSDP1 layouts CFP cannot correct."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from .distributed import process_rank_and_count
-
     pieces = {}
     for module in model.modules():
         handle = getattr(module, "_handle", None) if isinstance(module, FullyShardedDataParallel) else None
@@ -53,20 +52,25 @@ def flat_pieces(model: torch.nn.Module) -> dict[int, FlatPiece]:
             if not handle._use_orig_params:
                 raise CFPError(
                     "CFPCallback supports FSDP1 NO_SHARD only with use_orig_params=True (fsdp_use_orig_params: "
-                    "true in the accelerate config). Set it, or use DDP.")
+                    "true in the accelerate config). Set it, or use DDP."
+                )
             continue
         if module.process_group.size() != process_rank_and_count()[1]:
             raise CFPError(
                 f"CFPCallback supports FSDP1 sharded over all processes, not hybrid sharding "
-                f"({module.sharding_strategy}): use FULL_SHARD / SHARD_GRAD_OP, FSDP2, or DDP.")
+                f"({module.sharding_strategy}): use FULL_SHARD / SHARD_GRAD_OP, FSDP2, or DDP."
+            )
         if not handle._use_orig_params:  # flat parameters: bound through views (`flat_parameters`)
             continue
-        for param, info, shape, fqn in zip(flat._params, flat._shard_param_infos, flat._shapes, flat._fqns):
+        for param, info, shape, fqn in zip(
+            flat._params, flat._shard_param_infos, flat._shapes, flat._fqns, strict=True
+        ):
             start, stop = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else (0, 0)
             if param.numel() != stop - start:
                 raise CFPError(
                     f"FSDP1 parameter {fqn!r} holds {param.numel()} elements, not its {stop - start}-element "
-                    f"sharded piece: CFP binds between steps, outside forward/backward and summon_full_params.")
+                    f"sharded piece: CFP binds between steps, outside forward/backward and summon_full_params."
+                )
             pieces[id(param)] = FlatPiece(torch.Size(shape), start, stop)
     return pieces
 
@@ -74,14 +78,10 @@ def flat_pieces(model: torch.nn.Module) -> dict[int, FlatPiece]:
 def flat_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, FlatPiece]]:
     """Canonical original name -> (1-D view of its piece in this process's local FlatParameter shard,
     FlatPiece) for every parameter of an FSDP1 unit with use_orig_params=False (sharded over all
-    processes; `flat_pieces` refuses the other layouts). The view shares the shard's memory: writing
-    it updates the FlatParameter in place. The views are kept on the handle, so that binding several
-    anchors yields the same tensor objects (one theta0 per piece). Empty for other models."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from .names import canonical_name
-
-    flat_pieces(model)  # refuses NO_SHARD / hybrid flat layouts
+    processes; `flat_pieces` refuses the other layouts, binding calls it first). The view shares the
+    shard's memory: writing it updates the FlatParameter in place. The views are kept on the handle,
+    so that binding several anchors yields the same tensor objects (one theta0 per piece). Empty for
+    other models."""
     views = {}
     for prefix, module in model.named_modules():
         handle = getattr(module, "_handle", None) if isinstance(module, FullyShardedDataParallel) else None
@@ -90,19 +90,22 @@ def flat_parameters(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, Fla
         flat = handle.flat_param
         local = flat.detach()
         if local.numel() != flat._sharded_size.numel():
-            raise CFPError("FSDP1 flat parameter is unsharded: CFP binds between steps, outside "
-                           "forward/backward and summon_full_params.")
+            raise CFPError(
+                "FSDP1 flat parameter is unsharded: CFP binds between steps, outside "
+                "forward/backward and summon_full_params."
+            )
         cached = getattr(handle, "_cfp_flat_views", None)  # the same view objects for every anchor bound
         if cached is not None and cached[0] == local.data_ptr():
             views.update(cached[1])
             continue
         unit_views = {}
         unit = f"{prefix}._fsdp_wrapped_module." if prefix else "_fsdp_wrapped_module."
-        for info, shape, fqn in zip(flat._shard_param_infos, flat._shapes, flat._fqns):
+        for info, shape, fqn in zip(flat._shard_param_infos, flat._shapes, flat._fqns, strict=True):
             if info.in_shard:
-                view = local[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
-                piece = FlatPiece(torch.Size(shape), info.intra_param_start_idx, info.intra_param_end_idx + 1,
-                                  flat.requires_grad)
+                view = local[info.offset_in_shard : info.offset_in_shard + info.numel_in_shard]
+                piece = FlatPiece(
+                    torch.Size(shape), info.intra_param_start_idx, info.intra_param_end_idx + 1, flat.requires_grad
+                )
             else:
                 view, piece = local[:0], FlatPiece(torch.Size(shape), 0, 0, flat.requires_grad)
             unit_views[canonical_name(unit + fqn)] = (view, piece)

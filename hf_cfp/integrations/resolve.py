@@ -3,11 +3,16 @@ computing it at train begin when the Hub has none and calibration prompts were g
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
-from .anchor import FisherAnchor
-from .distributed import process_rank_and_count
-from .errors import AnchorNotFoundError
-from .hub import parse_reference
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from ..anchor import FisherAnchor
+from ..anchor.hub import parse_reference
+from ..errors import AnchorNotFoundError
+from ..fisher import estimate_fisher
+from ..parallel import process_rank_and_count
 
 
 @dataclass
@@ -16,18 +21,16 @@ class PendingAnchor:
     optionally push to where it was looked for."""
 
     reference: str
-    prompts: object
+    prompts: Any
     push: bool = False
-    estimate_kwargs: dict = field(default_factory=dict)
+    estimate_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
         _, _, subfolder = parse_reference(self.reference)
         return self.estimate_kwargs.get("name") or (subfolder.rsplit("/", 1)[-1] if subfolder else "anchor")
 
-    def compute(self, model, tokenizer) -> FisherAnchor:
-        from .fisher import estimate_fisher
-
+    def compute(self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase | None) -> FisherAnchor:
         anchor = estimate_fisher(model, tokenizer, self.prompts, **{**self.estimate_kwargs, "name": self.name})
         if self.push and process_rank_and_count()[0] == 0:
             repo_id, revision, subfolder = parse_reference(self.reference)
@@ -35,13 +38,26 @@ class PendingAnchor:
         return anchor
 
 
-def resolve_anchor(anchor, compute_if_missing=None, push_if_computed: bool = False, estimate_kwargs=None):
+AnchorLike = FisherAnchor | str | os.PathLike
+
+
+def load_anchor(anchor: AnchorLike) -> FisherAnchor:
+    """`anchor` as given, or loaded from a directory or Hub reference (`FisherAnchor.from_pretrained`)."""
+    return anchor if isinstance(anchor, FisherAnchor) else FisherAnchor.from_pretrained(os.fspath(anchor))
+
+
+def resolve_anchor(
+    anchor: AnchorLike,
+    compute_if_missing: Any = None,
+    push_if_computed: bool = False,
+    estimate_kwargs: dict[str, Any] | None = None,
+) -> FisherAnchor | PendingAnchor:
     """A FisherAnchor as given, loaded from a directory or Hub reference, or a PendingAnchor when
     it is not found and `compute_if_missing` holds calibration prompts."""
     if isinstance(anchor, FisherAnchor):
         return anchor
     try:
-        return FisherAnchor.from_pretrained(os.fspath(anchor))
+        return load_anchor(anchor)
     except AnchorNotFoundError:
         if compute_if_missing is None:
             raise

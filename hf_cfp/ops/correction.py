@@ -18,7 +18,25 @@ import torch
 def lerp_weights(fisher: Sequence[torch.Tensor], lam: float) -> list[torch.Tensor]:
     """Per-coordinate pull toward theta0: w = lam F / (1 + lam F), in float32."""
     scaled = torch._foreach_mul(list(fisher), float(lam))
-    return torch._foreach_div(scaled, torch._foreach_add(scaled, 1.0))
+    return list(torch._foreach_div(scaled, torch._foreach_add(scaled, 1.0)))
+
+
+class PullWeights:
+    """The pull w = lam F / (1 + lam F) for a fixed list of F tensors, recomputed only when lam changes.
+
+    A constant lam costs one computation for the whole run; a schedule costs one per new value.
+    """
+
+    def __init__(self, fisher: Sequence[torch.Tensor]):
+        self.fisher = list(fisher)
+        self._lam: float | None = None
+        self._weights: list[torch.Tensor] = []
+
+    def at(self, lam: float) -> list[torch.Tensor]:
+        """w for this lam (cached from the previous call when lam is unchanged)."""
+        if lam != self._lam:
+            self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
+        return self._weights
 
 
 @torch.no_grad()

@@ -1,7 +1,6 @@
 """FisherAnchor: a capability's diagonal Fisher at theta0, with provenance, saved as safetensors + JSON."""
 
 import json
-import math
 import os
 import re
 import tempfile
@@ -10,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from .drift import free_threshold
+from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
+from ..names import canonical_name
+from .card import render_card
 from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
-from .errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
-from .model_card import render_card
-from .names import canonical_name
+from .statistics import fisher_statistics
 from .storage import read_tensors, write_tensors
 
 FORMAT_VERSION = 1
@@ -72,23 +71,13 @@ class FisherAnchor:
         self.metadata = {**dict(metadata or {}), "statistics": self.statistics()}
 
     def statistics(self) -> dict:
-        """Size, scale and concentration of F: parameter count, total mass sum_i F_i, mean, max,
-        the 99th percentile `p99` (lam = 1 / p99 halves every top-1% coordinate's displacement
-        per step), and the share of the mass held by the top 1% of coordinates."""
-        flat = torch.cat([t.reshape(-1) for t in self.fisher.values()]).double()
-        total = float(flat.sum())
-        top = flat.topk(max(1, math.ceil(0.01 * flat.numel()))).values
-        return {
-            "num_parameters": flat.numel(),
-            "total_mass": total,
-            "mean": total / flat.numel(),
-            "max": float(flat.max()),
-            "p99": free_threshold([flat], 0.99),
-            "top1pct_mass_share": float(top.sum()) / total if total > 0 else 0.0,
-        }
+        """Size, scale and concentration of F (`statistics.fisher_statistics`): parameter count,
+        total mass sum_i F_i, mean, max, p99, and the top 1%'s share of the mass."""
+        return fisher_statistics(self.fisher)
 
-    def save_pretrained(self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB",
-                        dtype: str = "float32") -> None:
+    def save_pretrained(
+        self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: str = "float32"
+    ) -> None:
         """Write the tensors (`fisher.safetensors`, or shards of at most `max_shard_size` plus
         `fisher.safetensors.index.json`, as transformers does for weights) and `cfp_config.json`.
 
@@ -103,8 +92,9 @@ class FisherAnchor:
         try:
             with os.fdopen(fd, "w") as handle:
                 json.dump(config, handle, indent=2, sort_keys=True)
-            write_tensors(directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype,
-                          metadata={"cfp_anchor": self.name})
+            write_tensors(
+                directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
+            )
             os.replace(staged_config, directory / CONFIG_NAME)
         finally:
             if os.path.exists(staged_config):
@@ -112,8 +102,14 @@ class FisherAnchor:
 
     @classmethod
     def from_pretrained(
-        cls, repo_id_or_dir: str | os.PathLike, subfolder: str | None = None, revision: str | None = None,
-        token=None, cache_dir=None, local_files_only: bool = False, endpoint: str | None = None,
+        cls,
+        repo_id_or_dir: str | os.PathLike,
+        subfolder: str | None = None,
+        revision: str | None = None,
+        token=None,
+        cache_dir=None,
+        local_files_only: bool = False,
+        endpoint: str | None = None,
     ) -> "FisherAnchor":
         """Load an anchor from a local directory or a Hub repo, validating the format and every value.
 
@@ -129,26 +125,47 @@ class FisherAnchor:
         repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
         subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)
         revision = revision or ref_revision
-        directory, commit = download_anchor(repo_id, subfolder, revision, token=token, cache_dir=cache_dir,
-                                            local_files_only=local_files_only, endpoint=endpoint)
+        directory, commit = download_anchor(
+            repo_id,
+            subfolder,
+            revision,
+            token=token,
+            cache_dir=cache_dir,
+            local_files_only=local_files_only,
+            endpoint=endpoint,
+        )
         anchor = cls._load_directory(directory)
-        anchor.metadata["hub"] = {"repo_id": repo_id, "subfolder": subfolder, "revision": revision or "main",
-                                  "commit": commit}
+        anchor.metadata["hub"] = {
+            "repo_id": repo_id,
+            "subfolder": subfolder,
+            "revision": revision or "main",
+            "commit": commit,
+        }
         return anchor
 
     @classmethod
     def _load_directory(cls, directory: Path) -> "FisherAnchor":
         if not directory.is_dir():
-            raise AnchorNotFoundError(f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained().")
+            raise AnchorNotFoundError(
+                f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained()."
+            )
         if not (directory / CONFIG_NAME).is_file():
             raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
         config = _read_config(directory / CONFIG_NAME)
         return cls(read_tensors(directory), name=config["name"], metadata=config.get("metadata"))
 
     def push_to_hub(
-        self, repo_id: str, path_in_repo: str | None = None, revision: str | None = None, create_pr: bool = False,
-        commit_message: str | None = None, private: bool | None = None, token=None, endpoint: str | None = None,
-        max_shard_size: int | str = "5GB", dtype: str = "float32",
+        self,
+        repo_id: str,
+        path_in_repo: str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token=None,
+        endpoint: str | None = None,
+        max_shard_size: int | str = "5GB",
+        dtype: str = "float32",
     ):
         """Upload the anchor (tensors, `cfp_config.json`, a model card `README.md`) to
         `repo_id/path_in_repo` (default `cfp/<name>`) in one commit, creating the repo if needed.
@@ -163,9 +180,17 @@ class FisherAnchor:
             self.save_pretrained(staging, max_shard_size=max_shard_size, dtype=dtype)
             reference = f"{repo_id}:{path_in_repo}"
             render_card(self, reference).save(Path(staging) / "README.md")
-            return push_folder(Path(staging), repo_id, path_in_repo, revision=revision, create_pr=create_pr,
-                               commit_message=commit_message or f"Add CFP Fisher anchor '{self.name}'",
-                               private=private, token=token, endpoint=endpoint)
+            return push_folder(
+                Path(staging),
+                repo_id,
+                path_in_repo,
+                revision=revision,
+                create_pr=create_pr,
+                commit_message=commit_message or f"Add CFP Fisher anchor '{self.name}'",
+                private=private,
+                token=token,
+                endpoint=endpoint,
+            )
 
     def __repr__(self) -> str:
         count = sum(t.numel() for t in self.fisher.values())

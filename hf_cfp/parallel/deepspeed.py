@@ -16,7 +16,7 @@ Under ZeRO-3 a parameter's data is this process's partition of the flattened par
 (`param.ds_tensor`, padded at the end; `param.data` is empty between uses), and the fp32 master
 copy is a partition of the same offsets. CFP binds the slice of F at those offsets
 (`bind_zero3`), takes theta0 from the partition, corrects the partition (through
-`binding.local_tensor`) and the fp32 master partition (`Zero3MasterCorrection`), and sums the
+`shards.local_tensor`) and the fp32 master partition (`Zero3MasterCorrection`), and sums the
 metrics' squares over partitions (all-reduced: disjoint pieces). Parameters kept gathered by the
 persistence thresholds (`ds_persist`) hold a full copy that the next forward uses: after the
 correction they are re-gathered from their corrected partitions, as DeepSpeed does after a step.
@@ -24,18 +24,23 @@ correction they are re-gathered from their corrected partitions, as DeepSpeed do
 Nothing here imports deepspeed: the optimizer is recognized by its attributes.
 """
 
-import torch
+import os
 
-from .correction import apply_correction, lerp_weights
-from .errors import CFPError
+import torch
+import torch.distributed as dist
+
+from ..errors import CFPError
+from ..ops import PullWeights, apply_correction
+from .fsdp1 import FlatPiece
 
 
 def uses_deepspeed(model: torch.nn.Module, args=None) -> bool:
     """Whether this training run is driven by DeepSpeed (Trainer args, accelerate env or ZeRO-3 params)."""
-    import os
-
-    return (bool(getattr(args, "deepspeed", None)) or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-            or any(hasattr(p, "ds_id") for p in model.parameters()))
+    return (
+        bool(getattr(args, "deepspeed", None))
+        or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+        or any(hasattr(p, "ds_id") for p in model.parameters())
+    )
 
 
 def zero_optimizer(optimizer):
@@ -54,31 +59,39 @@ def check_supported(model: torch.nn.Module, optimizer) -> None:
     zero = zero_optimizer(optimizer)
     if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
         if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False):
-            raise CFPError("CFPCallback under DeepSpeed ZeRO-3 does not support NVMe offload (its fp32 master "
-                           "partitions are swapped out between steps). Offload to the CPU or not at all.")
+            raise CFPError(
+                "CFPCallback under DeepSpeed ZeRO-3 does not support NVMe offload (its fp32 master "
+                "partitions are swapped out between steps). Offload to the CPU or not at all."
+            )
         if any(p.requires_grad and not hasattr(p, "ds_tensor") for p in model.parameters()):
-            raise CFPError("CFPCallback under DeepSpeed ZeRO-3: a trainable parameter is not partitioned "
-                           "(no `ds_tensor`); this DeepSpeed version is not supported.")
+            raise CFPError(
+                "CFPCallback under DeepSpeed ZeRO-3: a trainable parameter is not partitioned "
+                "(no `ds_tensor`); this DeepSpeed version is not supported."
+            )
         return
     if zero is None:
         raise CFPError(
             f"CFPCallback runs under DeepSpeed but its `optimizer` argument is not a ZeRO optimizer (got "
             f"{type(optimizer).__name__}); without it the fp32 master weights would undo the correction. Use "
             f"transformers.Trainer (or a TRL trainer, which pass the optimizer) with zero_optimization.stage 1, "
-            f"2 or 3, or train with DDP or FSDP2.")
+            f"2 or 3, or train with DDP or FSDP2."
+        )
     for param in model.parameters():
         if param.requires_grad and not hasattr(param, "_hp_mapping"):
             raise CFPError(
                 "CFPCallback under DeepSpeed ZeRO-1/2: a trainable parameter is not linked to the optimizer's "
-                "fp32 master partition (no `_hp_mapping`); this DeepSpeed version is not supported.")
+                "fp32 master partition (no `_hp_mapping`); this DeepSpeed version is not supported."
+            )
 
 
 class MasterCorrection:
     """This process's fragments of the ZeRO-1/2 fp32 master partition, with F and theta0 sliced to match."""
 
     def __init__(self, params, theta0, fisher):
-        self.fragments, self.theta0, self.fisher = [], [], []
-        for param, t0, f in zip(params, theta0, fisher):
+        self.fragments: list[torch.Tensor] = []
+        self.theta0: list[torch.Tensor] = []
+        fisher_fragments: list[torch.Tensor] = []
+        for param, t0, f in zip(params, theta0, fisher, strict=True):
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:  # this process owns no part of the parameter
                 continue
@@ -87,20 +100,18 @@ class MasterCorrection:
                 continue
             device = mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
             self.fragments.append(param)
-            self.theta0.append(t0.reshape(-1)[start:start + numel].to(device, torch.float32, copy=True))
-            self.fisher.append(f.reshape(-1)[start:start + numel].to(device, torch.float32, copy=True))
-        self._lam, self._weights = None, None
+            self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
+            fisher_fragments.append(f.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
+        self.weights = PullWeights(fisher_fragments)
 
     def correct(self, lam: float) -> None:
         if not self.fragments:
             return
-        if lam != self._lam:
-            self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
         # Resolved at each use: the fragment is a view into the current fp32 partition.
         hp = [p._hp_mapping.get_hp_fragment() for p in self.fragments]
-        by_device = {}
-        for item in zip(hp, self.theta0, self._weights):
-            for target, value in zip(by_device.setdefault(item[0].device, ([], [], [])), item):
+        by_device: dict[torch.device, tuple[list, list, list]] = {}
+        for item in zip(hp, self.theta0, self.weights.at(lam), strict=True):
+            for target, value in zip(by_device.setdefault(item[0].device, ([], [], [])), item, strict=True):
                 target.append(value)
         for h, t0, w in by_device.values():
             apply_correction(h, t0, w)
@@ -111,19 +122,19 @@ class Zero3MasterCorrection:
     slices of F and theta0 as the parameters' own partitions; then persisted parameters are re-gathered."""
 
     def __init__(self, optimizer, model, params, theta0, fisher):
-        self.optimizer, self.params, self.theta0, self.fisher = optimizer, list(params), list(theta0), list(fisher)
+        self.optimizer = optimizer
+        self.params = list(params)
+        self.theta0 = list(theta0)
+        self.weights = PullWeights(fisher)
         self.persisted = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
-        self._lam, self._weights = None, None
 
     @torch.no_grad()
     def correct(self, lam: float) -> None:
-        if lam != self._lam:
-            self._lam, self._weights = lam, lerp_weights(self.fisher, lam)
-        for param, t0, w in zip(self.params, self.theta0, self._weights):
+        for param, t0, w in zip(self.params, self.theta0, self.weights.at(lam), strict=True):
             if t0.numel():
                 # A view into the partition, or a copy on the accelerator when it is offloaded: set it back.
                 hp = self.optimizer.get_local_fp32_param(param)
-                apply_correction([hp.view(-1)[:t0.numel()]], [t0.to(hp.device)], [w.to(hp.device)])
+                apply_correction([hp.view(-1)[: t0.numel()]], [t0.to(hp.device)], [w.to(hp.device)])
                 self.optimizer.set_local_hp_param(hp, param)
         if self.persisted:  # their gathered copies predate the correction: release and gather them again
             self.persisted[0].partition(self.persisted)
@@ -132,8 +143,6 @@ class Zero3MasterCorrection:
 
 def partition_range(param) -> tuple[int, int]:
     """(start, numel) of this process's ZeRO-3 partition of `param` in the flattened parameter, padding excluded."""
-    import torch.distributed as dist
-
     size = param.ds_tensor.numel()
     start = dist.get_rank(group=param.ds_process_group) * size
     return start, max(0, min(size, param.ds_numel - start))
@@ -141,14 +150,12 @@ def partition_range(param) -> tuple[int, int]:
 
 def local_partition(param) -> torch.Tensor:
     """This process's ZeRO-3 partition of `param` (1-D, padding excluded); resolved at each use."""
-    return param.ds_tensor.view(-1)[:partition_range(param)[1]]
+    return param.ds_tensor.view(-1)[: partition_range(param)[1]]
 
 
 def zero3_pieces(model: torch.nn.Module) -> dict:
     """id(param) -> FlatPiece(full shape `ds_shape`, this process's partition range) for every
     ZeRO-3 parameter, so that `binding.bind_anchor` slices F to the partition as for FSDP1 pieces."""
-    from .fsdp1 import FlatPiece
-
     pieces = {}
     for param in model.parameters():
         if hasattr(param, "ds_tensor"):

@@ -17,15 +17,25 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .errors import AnchorFormatError, AnchorNotFoundError, CFPArgumentError
+from ..errors import AnchorFormatError, AnchorNotFoundError, CFPArgumentError
 
 WEIGHTS_NAME = "fisher.safetensors"
 INDEX_NAME = "fisher.safetensors.index.json"
 SHARD_PATTERN = re.compile(r"^fisher-\d{5}-of-\d{5}\.safetensors$")
 MAX_INDEX_BYTES = 64 << 20
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*$", re.IGNORECASE)
 
 
@@ -52,7 +62,9 @@ def parse_size(size: int | str) -> int:
 
 def _plan_shards(tensors: dict[str, torch.Tensor], limit: int, itemsize: int) -> list[list[str]]:
     """Greedy split in insertion order; a tensor larger than `limit` gets a shard of its own."""
-    shards, current, current_size = [], [], 0
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
     for name, tensor in tensors.items():
         size = tensor.numel() * itemsize
         if current and current_size + size > limit:
@@ -70,8 +82,13 @@ def _temporary_path(directory: Path, filename: str) -> str:
     return str(directory / f".{filename}.{secrets.token_hex(8)}.tmp")
 
 
-def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_size: int | str = "5GB",
-                  dtype: str = "float32", metadata: dict[str, str] | None = None) -> list[str]:
+def write_tensors(
+    directory: Path,
+    tensors: dict[str, torch.Tensor],
+    max_shard_size: int | str = "5GB",
+    dtype: str = "float32",
+    metadata: dict[str, str] | None = None,
+) -> list[str]:
     """Write `tensors` (cast to `dtype` for storage) into `directory`; return the file names written.
 
     Total size = sum_i numel_i * itemsize(dtype). Up to `max_shard_size` bytes: one `fisher.safetensors`;
@@ -118,8 +135,10 @@ def write_tensors(directory: Path, tensors: dict[str, torch.Tensor], max_shard_s
                 storages.add(pointer)
             save_file(shard, tmp, metadata=header)
         if len(outputs) > 1:
-            index = {"metadata": {"total_size": total_size},
-                     "weight_map": {name: filename for filename, names in outputs for name in names}}
+            index = {
+                "metadata": {"total_size": total_size},
+                "weight_map": {name: filename for filename, names in outputs for name in names},
+            }
             tmp = _temporary_path(directory, INDEX_NAME)
             staged.append((tmp, INDEX_NAME))
             with open(tmp, "x") as handle:
@@ -158,7 +177,9 @@ def _read_file(path: Path, expected: list[str] | None, index_path: Path | None) 
         ) from error
     for name, tensor in out.items():
         if not tensor.is_floating_point():
-            raise AnchorFormatError(f"The anchor's {what} stores {name!r} as {tensor.dtype}; Fisher values are floats.")
+            raise AnchorFormatError(
+                f"The anchor's {what} stores {name!r} as {tensor.dtype}; Fisher values are floats."
+            )
         out[name] = tensor.float()
     return out
 
@@ -175,7 +196,9 @@ def _read_index(index_path: Path) -> dict[str, str]:
         if not weight_map:
             raise ValueError("'weight_map' is empty")
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise AnchorFormatError(f"{str(index_path)!r} is not a valid shard index ({error}); re-save the anchor.") from error
+        raise AnchorFormatError(
+            f"{str(index_path)!r} is not a valid shard index ({error}); re-save the anchor."
+        ) from error
     for shard in set(weight_map.values()):
         if not SHARD_PATTERN.match(shard):
             raise AnchorFormatError(

@@ -14,18 +14,13 @@ import copy
 from pathlib import Path
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PrinterCallback,
-    Trainer,
-    TrainingArguments,
-)
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-from .callback import CFPCallback
-from .data import calibration_prompts, pirate_style_pairs
-from .fisher import estimate_fisher
-from .models import EMBEDDED, load_causal_lm
+from ..fisher import estimate_fisher
+from ..integrations import CFPCallback
+from .bundled import calibration_prompts, pirate_style_pairs
+from .models import EMBEDDED, load_causal_lm, tiny_llama
+
 
 def _sft_examples(tokenizer, pairs) -> list[dict]:
     """Chat-formatted (prompt, response) pairs, padded to one length; loss on response tokens only."""
@@ -38,17 +33,18 @@ def _sft_examples(tokenizer, pairs) -> list[dict]:
         rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
     width = max(len(ids) for ids, _ in rows)
     pad = tokenizer.pad_token_id
-    return [{"input_ids": torch.tensor(ids + [pad] * (width - len(ids))),
-             "attention_mask": torch.tensor([1] * len(ids) + [0] * (width - len(ids))),
-             "labels": torch.tensor(labels + [-100] * (width - len(labels)))} for ids, labels in rows]
+    return [
+        {
+            "input_ids": torch.tensor(ids + [pad] * (width - len(ids))),
+            "attention_mask": torch.tensor([1] * len(ids) + [0] * (width - len(ids))),
+            "labels": torch.tensor(labels + [-100] * (width - len(labels))),
+        }
+        for ids, labels in rows
+    ]
 
 
 def _tiny_setup():
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(vocab_size=64, hidden_size=32, heads=4)
     g = torch.Generator().manual_seed(1)
     prompts = [row.tolist() for row in torch.randint(0, 32, (16, 6), generator=g)]  # "capability": tokens < 32
     train = torch.randint(32, 64, (32, 24), generator=g)  # off-capability task: tokens >= 32
@@ -56,17 +52,33 @@ def _tiny_setup():
 
 
 def _train(model, dataset, callback, steps: int, output_dir: Path, learning_rate: float) -> list[dict]:
-    args = TrainingArguments(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=4,
-                             learning_rate=learning_rate, lr_scheduler_type="constant", logging_steps=1,
-                             save_strategy="no", report_to="none", use_cpu=True, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=4,
+        learning_rate=learning_rate,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)  # the comparison table is printed at the end instead
     trainer.train()
     return [row for row in trainer.state.log_history if "cfp/total_drift" in row]
 
 
-def run_demo(tiny: bool = False, steps: int | None = None, num_sequences: int | None = None,
-             max_new_tokens: int = 48, lam: float | None = None, output_dir: str = "cfp-demo") -> dict:
+def run_demo(
+    tiny: bool = False,
+    steps: int | None = None,
+    num_sequences: int | None = None,
+    max_new_tokens: int = 48,
+    lam: float | None = None,
+    output_dir: str = "cfp-demo",
+) -> dict:
     """Run both arms and report; returns {"lam", "ratio", "plain", "cfp"} (histories per arm)."""
     out = Path(output_dir)
     if tiny:
@@ -76,18 +88,28 @@ def run_demo(tiny: bool = False, steps: int | None = None, num_sequences: int | 
         model, tokenizer = load_causal_lm(EMBEDDED)
         prompts, dataset = calibration_prompts("math"), _sft_examples(tokenizer, pirate_style_pairs())
         steps, num_sequences, learning_rate = steps or 20, num_sequences or 16, 5e-5
-    anchor = estimate_fisher(model, tokenizer, prompts, num_sequences=num_sequences,
-                             max_new_tokens=max_new_tokens, batch_size=8, name="math")
+    anchor = estimate_fisher(
+        model,
+        tokenizer,
+        prompts,
+        num_sequences=num_sequences,
+        max_new_tokens=max_new_tokens,
+        batch_size=8,
+        name="math",
+    )
     anchor.save_pretrained(out / "anchor-math")
     stats = anchor.metadata["statistics"]
     lam = lam if lam is not None else 1.0 / stats["p99"]
-    print(f"\nAnchor 'math': {stats['num_parameters']:,} coordinates, total mass {stats['total_mass']:.4g}, "
-          f"top 1% holds {stats['top1pct_mass_share']:.1%} of it; lam = {lam:.4g} (1 / p99 = 1 / {stats['p99']:.3g})")
+    print(
+        f"\nAnchor 'math': {stats['num_parameters']:,} coordinates, total mass {stats['total_mass']:.4g}, "
+        f"top 1% holds {stats['top1pct_mass_share']:.1%} of it; lam = {lam:.4g} (1 / p99 = 1 / {stats['p99']:.3g})"
+    )
     histories = {}
     for arm, arm_lam in (("plain", 0.0), ("cfp", lam)):
         print(f"Fine-tuning arm {arm!r} (lam = {arm_lam:.4g}) for {steps} steps...", flush=True)
-        histories[arm] = _train(copy.deepcopy(model), dataset, CFPCallback(anchor, lam=arm_lam), steps,
-                                out / arm, learning_rate)
+        histories[arm] = _train(
+            copy.deepcopy(model), dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate
+        )
     ratio = _report(histories)
     _plot(histories, out / "drift.png")
     return {"lam": lam, "ratio": ratio, **histories}
@@ -95,29 +117,41 @@ def run_demo(tiny: bool = False, steps: int | None = None, num_sequences: int | 
 
 def _report(histories: dict) -> float:
     key, free = "cfp/math/sensitive_drift", "cfp/math/free_drift"
-    print(f"\n{'step':>5} | {'loss plain':>10} {'loss cfp':>9} | {'sensitive plain':>15} {'sensitive cfp':>13} "
-          f"| {'free plain':>10} {'free cfp':>9}")
-    for plain, cfp in zip(histories["plain"], histories["cfp"]):
-        print(f"{plain['step']:>5} | {plain['loss']:>10.4f} {cfp['loss']:>9.4f} | {plain[key]:>15.4g} "
-              f"{cfp[key]:>13.4g} | {plain[free]:>10.4g} {cfp[free]:>9.4g}")
+    print(
+        f"\n{'step':>5} | {'loss plain':>10} {'loss cfp':>9} | {'sensitive plain':>15} {'sensitive cfp':>13} "
+        f"| {'free plain':>10} {'free cfp':>9}"
+    )
+    for plain, cfp in zip(histories["plain"], histories["cfp"], strict=True):
+        print(
+            f"{plain['step']:>5} | {plain['loss']:>10.4f} {cfp['loss']:>9.4f} | {plain[key]:>15.4g} "
+            f"{cfp[key]:>13.4g} | {plain[free]:>10.4g} {cfp[free]:>9.4g}"
+        )
     ratio = (histories["cfp"][-1][key] ** 2) / (histories["plain"][-1][key] ** 2) - 1
-    print(f"\nQuadratic sensitive drift vs the unprotected run at the last step: DtFD_cfp / DtFD_plain - 1 = {ratio:+.1%}")
+    print(
+        "\nQuadratic sensitive drift vs the unprotected run at the last step: "
+        f"DtFD_cfp / DtFD_plain - 1 = {ratio:+.1%}"
+    )
     return ratio
 
 
 def _plot(histories: dict, path: Path) -> None:
-    try:
+    try:  # matplotlib is optional (the `demo` extra): without it the demo prints its table only
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after choosing the Agg backend: no display needed
     except ImportError:
         print("(matplotlib not installed: no plot; `pip install matplotlib`)")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, rows in histories.items():
-        ax.plot([r["cfp/math/free_drift"] for r in rows], [r["cfp/math/sensitive_drift"] for r in rows],
-                marker="o", markersize=3, label=arm)
+        ax.plot(
+            [r["cfp/math/free_drift"] for r in rows],
+            [r["cfp/math/sensitive_drift"] for r in rows],
+            marker="o",
+            markersize=3,
+            label=arm,
+        )
     ax.set_xlabel("free drift ||Δ|| (99% lowest-Fisher coordinates)")
     ax.set_ylabel("sensitive drift sqrt(Σ F Δ²), math anchor")
     ax.set_title("Path from θ0: CFP keeps moving right, stops climbing")

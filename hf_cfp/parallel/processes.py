@@ -25,7 +25,8 @@ def all_reduce_sum_(tensors: list[torch.Tensor], bucket_elements: int = 2**24) -
     _, count = process_rank_and_count()
     if count == 1:
         return
-    bucket, size = [], 0
+    bucket: list[torch.Tensor] = []
+    size = 0
     for tensor in [*tensors, None]:
         if tensor is not None and (size + tensor.numel() <= bucket_elements or not bucket):
             bucket.append(tensor)
@@ -34,24 +35,6 @@ def all_reduce_sum_(tensors: list[torch.Tensor], bucket_elements: int = 2**24) -
         if bucket:
             flat = torch.cat([t.reshape(-1) for t in bucket])
             dist.all_reduce(flat)
-            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
                 t.copy_(part.view_as(t))
         bucket, size = ([tensor], tensor.numel()) if tensor is not None else ([], 0)
-
-
-def refuse_unsupported_layout(model: torch.nn.Module, args=None, optimizer=None) -> None:
-    """Raise CFPError for training layouts CFP cannot correct yet, instead of correcting wrongly:
-    DeepSpeed without its ZeRO optimizer at hand or with NVMe offload (its fp32 master partitions
-    would overwrite the correction at the next step; `zero.check_supported`), and FSDP1 with hybrid
-    sharding or NO_SHARD flat parameters. Plain, DDP, FSDP2 (`fully_shard`), FSDP1 (use_orig_params
-    True or False) and DeepSpeed ZeRO-1/2/3 models pass."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from . import zero
-
-    if zero.uses_deepspeed(model, args):
-        zero.check_supported(model, optimizer)  # ZeRO-1/2/3 with its optimizer passes
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        from .fsdp1 import flat_pieces
-
-        flat_pieces(model)  # FSDP1: raises CFPError for hybrid sharding (or flat NO_SHARD)

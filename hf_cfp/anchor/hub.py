@@ -17,7 +17,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from .errors import AnchorNotFoundError, AnchorValidationError, CFPHubError
+from ..errors import AnchorNotFoundError, AnchorValidationError, CFPHubError
 
 _REFERENCE = re.compile(r"^(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:@(?P<revision>[^:]+))?(?::(?P<subfolder>.*))?$")
 
@@ -45,8 +45,15 @@ def parse_reference(reference: str) -> tuple[str, str | None, str]:
     return match["repo"], match["revision"], safe_subfolder(match["subfolder"])
 
 
-def download_anchor(repo_id: str, subfolder: str = "", revision: str | None = None, token=None,
-                    cache_dir=None, local_files_only: bool = False, endpoint: str | None = None) -> tuple[Path, str]:
+def download_anchor(
+    repo_id: str,
+    subfolder: str = "",
+    revision: str | None = None,
+    token=None,
+    cache_dir=None,
+    local_files_only: bool = False,
+    endpoint: str | None = None,
+) -> tuple[Path, str]:
     """Download only the files under `subfolder` at `revision`; returns (local directory, resolved commit).
 
     Works offline from the cache with `local_files_only=True` or HF_HUB_OFFLINE=1.
@@ -54,32 +61,54 @@ def download_anchor(repo_id: str, subfolder: str = "", revision: str | None = No
     subfolder = safe_subfolder(subfolder)
     where = f"{repo_id}@{revision or 'main'}:{subfolder or '.'}"
     try:
-        snapshot = Path(snapshot_download(
-            repo_id, revision=revision, allow_patterns=[f"{subfolder}/*"] if subfolder else None,
-            cache_dir=cache_dir, local_files_only=local_files_only, token=token, endpoint=endpoint,
-        ))
+        snapshot = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                allow_patterns=[f"{subfolder}/*"] if subfolder else None,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                token=token,
+                endpoint=endpoint,
+            )
+        )
     except RepositoryNotFoundError as error:
         raise AnchorNotFoundError(f"Hub repo {repo_id!r} not found (or private: pass token=). [{where}]") from error
     except RevisionNotFoundError as error:
-        raise AnchorNotFoundError(f"Revision {revision!r} not found in {repo_id!r}: use a branch, tag, "
-                                  f"refs/pr/N or a commit sha. [{where}]") from error
+        raise AnchorNotFoundError(
+            f"Revision {revision!r} not found in {repo_id!r}: use a branch, tag, refs/pr/N or a commit sha. [{where}]"
+        ) from error
     except (EntryNotFoundError, LocalEntryNotFoundError) as error:
         if isinstance(error.__cause__ or error.__context__, HfHubHTTPError):  # a server error, nothing cached
-            raise CFPHubError(f"The Hub failed to serve {where}: {error.__cause__ or error.__context__}. "
-                              "Retry later.") from error
-        raise AnchorNotFoundError(f"No anchor at {where} (offline and not cached, or not on the Hub): "
-                                  "check the reference, or go online once to cache it.") from error
+            raise CFPHubError(
+                f"The Hub failed to serve {where}: {error.__cause__ or error.__context__}. Retry later."
+            ) from error
+        raise AnchorNotFoundError(
+            f"No anchor at {where} (offline and not cached, or not on the Hub): "
+            "check the reference, or go online once to cache it."
+        ) from error
     except HfHubHTTPError as error:
         raise CFPHubError(f"The Hub failed to serve {where}: {error}. Retry later; nothing was changed.") from error
     directory = snapshot / subfolder if subfolder else snapshot
     if not directory.is_dir():
-        raise AnchorNotFoundError(f"{repo_id!r} has no anchor at {subfolder!r} at revision {revision or 'main'} "
-                                  f"(commit {snapshot.name}). [{where}]")
+        raise AnchorNotFoundError(
+            f"{repo_id!r} has no anchor at {subfolder!r} at revision {revision or 'main'} "
+            f"(commit {snapshot.name}). [{where}]"
+        )
     return directory, snapshot.name
 
 
-def push_folder(folder: Path, repo_id: str, path_in_repo: str, revision=None, create_pr=False, commit_message=None,
-                private=None, token=None, endpoint=None):
+def push_folder(
+    folder: Path,
+    repo_id: str,
+    path_in_repo: str,
+    revision=None,
+    create_pr=False,
+    commit_message=None,
+    private=None,
+    token=None,
+    endpoint=None,
+):
     """create_repo(exist_ok=True), then ONE commit (`create_commit`, not the multi-commit upload
     pipeline) adding every file of `folder` under `path_in_repo` and deleting the files left there
     by an earlier push that this one does not rewrite (e.g. old shards). A failed push leaves
@@ -88,15 +117,21 @@ def push_folder(folder: Path, repo_id: str, path_in_repo: str, revision=None, cr
     target = f"{repo_id}:{path_in_repo}"
     try:
         api.create_repo(repo_id, exist_ok=True, private=private)
-        new = {f"{path_in_repo}/{p.relative_to(folder).as_posix()}": p for p in sorted(folder.rglob("*")) if p.is_file()}
+        new = {
+            f"{path_in_repo}/{p.relative_to(folder).as_posix()}": p for p in sorted(folder.rglob("*")) if p.is_file()
+        }
         stale = [f for f in _files_under(api, repo_id, path_in_repo, revision) if f not in new]
-        operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in new.items()]
-        operations += [CommitOperationDelete(path_in_repo=name) for name in stale]
-        return api.create_commit(repo_id, operations=operations, commit_message=commit_message,
-                                 revision=revision, create_pr=create_pr)
+        added = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(path)) for name, path in new.items()]
+        deleted = [CommitOperationDelete(path_in_repo=name) for name in stale]
+        operations: list[CommitOperationAdd | CommitOperationDelete] = [*added, *deleted]
+        return api.create_commit(
+            repo_id, operations=operations, commit_message=commit_message, revision=revision, create_pr=create_pr
+        )
     except HfHubHTTPError as error:
-        raise CFPHubError(f"Pushing to {target} failed: {error}. The remote was not changed (one commit); "
-                          "check the token's write access and retry.") from error
+        raise CFPHubError(
+            f"Pushing to {target} failed: {error}. The remote was not changed (one commit); "
+            "check the token's write access and retry."
+        ) from error
 
 
 def _files_under(api: HfApi, repo_id: str, folder: str, revision) -> list[str]:

@@ -1,4 +1,4 @@
-"""Bundled data: calibration prompts per capability and the demo's off-capability SFT pairs."""
+"""Bundled data (`data/*.jsonl`): calibration prompts per capability and the demo's off-capability SFT pairs."""
 
 import json
 import os
@@ -10,7 +10,7 @@ CALIBRATION_SETS = ("math",)
 
 
 def _read_jsonl(filename: str) -> list[dict]:
-    text = resources.files(__name__).joinpath(filename).read_text(encoding="utf-8")
+    text = resources.files(__package__).joinpath(f"data/{filename}").read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

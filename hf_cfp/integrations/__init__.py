@@ -1,0 +1,6 @@
+"""Glue to the Hugging Face training stack: the Trainer callback, metrics reaching every reporter,
+and resolving what a user passes as an anchor (object, directory, Hub reference)."""
+
+from .callback import CFPCallback
+
+__all__ = ["CFPCallback"]

@@ -1,0 +1,11 @@
+"""Protection of one model: bind anchors (names, shapes, local pieces), snapshot theta0, correct
+after every optimizer step, measure the drift, and keep theta0 across checkpoints.
+
+Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom loop can drive.
+"""
+
+from .binding import BoundTensor, bind_anchor
+from .checkpoint import load_theta0, save_theta0
+from .state import CFPState
+
+__all__ = ["BoundTensor", "CFPState", "bind_anchor", "load_theta0", "save_theta0"]

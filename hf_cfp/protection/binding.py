@@ -1,0 +1,76 @@
+"""Bind an anchor to a live model: match canonical names, check shapes, move F to each device.
+
+Under DDP every process holds full parameters and binds the full F. Under FSDP2, FSDP1 and
+ZeRO-3 a process holds a piece of a parameter (`hf_cfp.parallel.shards`): it binds the slice
+of F at the same offsets, and corrects and measures that piece alone.
+"""
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ..anchor import FisherAnchor
+from ..errors import AnchorMismatchError
+from ..names import canonical_name
+from ..parallel.shards import dtensor_local_fisher, held_pieces
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BoundTensor:
+    """One anchor tensor matched to the trainable model parameter it describes."""
+
+    name: str
+    param: torch.Tensor  # a Parameter, or a view into an FSDP1 flat shard
+    fisher: torch.Tensor  # float32, on the parameter's device; for a sharded parameter, its local part only
+    sharded: bool  # split across processes: sums over it are added across processes
+
+
+def bind_anchor(anchor: FisherAnchor, model: torch.nn.Module) -> list[BoundTensor]:
+    """Match every tensor of `anchor.fisher` to a parameter of `model` by canonical name.
+
+    Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs.
+    A tied parameter is bound once, under the first of its names found in the anchor. Frozen
+    parameters never move, so they are skipped (one log line says which). A sharded parameter
+    (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
+    """
+    by_name: dict[str, torch.Tensor] = {}  # every canonical name, tied aliases included -> parameter
+    for alias, parameter in model.named_parameters(remove_duplicate=False):
+        by_name.setdefault(canonical_name(alias), parameter)
+    flat_views, pieces = held_pieces(model)
+    by_name.update(flat_views)
+    bound: list[BoundTensor] = []
+    seen: set[int] = set()
+    frozen: list[str] = []
+    for name, fisher in anchor.fisher.items():
+        param = by_name.get(name)
+        if param is None:
+            raise AnchorMismatchError(
+                f"Anchor {anchor.name!r} has parameter {name!r}, which the model does not have. "
+                f"Was the anchor computed for another model? (The model's first parameter is "
+                f"{next(iter(by_name), '<none>')!r}.)"
+            )
+        piece = pieces.get(id(param))
+        if tuple(fisher.shape) != tuple(piece.shape if piece else param.shape):
+            raise AnchorMismatchError(
+                f"Anchor {anchor.name!r}: parameter {name!r} has shape {tuple(fisher.shape)} in the anchor "
+                f"but {tuple(piece.shape if piece else param.shape)} in the model. Was the anchor computed "
+                f"for another model?"
+            )
+        if not (piece.trainable if piece else param.requires_grad):
+            frozen.append(name)
+        elif id(param) not in seen:
+            seen.add(id(param))
+            if piece is not None:
+                fisher, sharded = piece.fisher(fisher), True
+            elif isinstance(param, DTensor):
+                fisher, sharded = dtensor_local_fisher(name, fisher, param)
+            else:
+                sharded = False
+            bound.append(BoundTensor(name, param, fisher.to(device=param.device, dtype=torch.float32), sharded))
+    if frozen:
+        logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])
+    return bound
