@@ -18,7 +18,7 @@ import math
 import sys
 
 import torch
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from hf_cfp import CFPCallback, FisherAnchor

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import save_file
-from tiny import anchor_for, tiny_llama
+from support.tiny import anchor_for, tiny_llama
 
 from hf_cfp import (
     AnchorFormatError,

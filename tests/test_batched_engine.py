@@ -12,7 +12,7 @@ from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadMo
 from hf_cfp.fisher.batched import add_batched_squared_scores
 from hf_cfp.fisher.sampling import Sampler, sample_responses
 from hf_cfp.fisher.scoring import add_squared_score, sequence_log_prob
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 
 EOS = 3
 RTOL = 1e-5

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cfp import CFPCallback, FisherAnchor

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from distributed_worker import ROWS, make_callback, make_model, trainer_run
-from tiny import torchrun
+from support.tiny import torchrun
 
 pytestmark = pytest.mark.deepspeed
 WORKER = Path(__file__).with_name("deepspeed_worker.py")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed_worker import ROWS, loop_run, make_callback, make_model, make_rows, random_fisher, trainer_run
-from tiny import torchrun
+from support.tiny import torchrun
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
 KEYS = ("cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/code/sensitive_drift", "cfp/code/free_drift",

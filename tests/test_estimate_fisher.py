@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from tiny import tiny_llama, tiny_tokenizer
+from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, estimate_fisher
 from hf_cfp.fisher import Sampler

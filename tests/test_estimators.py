@@ -5,7 +5,7 @@ import itertools
 import pytest
 import torch
 from test_estimate_fisher import PROMPTS, T, enum_model, flat, mass_ratio, pearson
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 
 from hf_cfp import estimate_fisher
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses

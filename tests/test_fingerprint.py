@@ -8,7 +8,7 @@ import torch
 
 from hf_cfp.errors import AnchorMismatchError
 from hf_cfp.anchor.fingerprint import check_fingerprint, model_fingerprint
-from tests.tiny import tiny_llama
+from support.tiny import tiny_llama
 
 
 class Wrapper(torch.nn.Module):

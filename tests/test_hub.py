@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from hub_server import hub_offline_mode, local_hub, no_backoff_sleep  # noqa: F401  (local_hub is a fixture)
+from support.hub_server import hub_offline_mode, local_hub, no_backoff_sleep  # noqa: F401  (local_hub is a fixture)
 from huggingface_hub import ModelCard
-from tiny import anchor_for, tiny_llama
+from support.tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState
 
 from hf_cfp import (

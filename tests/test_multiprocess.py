@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import torch
-from tiny import tiny_llama, tiny_tokenizer, torchrun
+from support.tiny import tiny_llama, tiny_tokenizer, torchrun
 
 from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.demo.models import load_causal_lm

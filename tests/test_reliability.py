@@ -14,7 +14,7 @@ from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.anchor.artifact import MAX_CONFIG_BYTES
 from hf_cfp.errors import AnchorFormatError, CFPArgumentError
 
-from tiny import anchor_for, tiny_llama, tiny_tokenizer
+from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hf_cfp"

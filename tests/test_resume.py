@@ -5,7 +5,7 @@ import shutil
 import pytest
 import torch
 from test_correction import lm_dataset, random_anchor
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cfp import CFPCallback

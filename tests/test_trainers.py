@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tiny import tiny_llama, tiny_tokenizer
+from support.tiny import tiny_llama, tiny_tokenizer
 from transformers import Trainer, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 

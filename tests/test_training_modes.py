@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from test_correction import ReferenceCFP, lm_dataset, random_anchor, train
-from tiny import tiny_llama
+from support.tiny import tiny_llama
 from transformers import TrainerCallback
 
 from hf_cfp import CFPCallback
