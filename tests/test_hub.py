@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from support.hub_server import hub_offline_mode, local_hub, no_backoff_sleep  # noqa: F401  (local_hub is a fixture)
+from support.hub_server import hub_offline_mode, no_backoff_sleep
 from huggingface_hub import ModelCard
 from support.tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState

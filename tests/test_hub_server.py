@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from support.hub_server import LocalHub, hub_offline_mode, local_hub, no_backoff_sleep  # noqa: F401  (fixture)
+from support.hub_server import LocalHub, hub_offline_mode, no_backoff_sleep
 from huggingface_hub import (
     CommitOperationAdd,
     CommitOperationDelete,

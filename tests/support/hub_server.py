@@ -1106,17 +1106,3 @@ def no_backoff_sleep() -> Iterator[None]:
         yield
     finally:
         _http.time = real
-
-
-try:  # a ready-made fixture: `from hub_server import local_hub` in a test module
-    import pytest
-
-    @pytest.fixture
-    def local_hub() -> Iterator[LocalHub]:
-        """A started ``LocalHub``, with huggingface_hub's offline flag turned off and the hub set as
-        the client's default endpoint for the test (see ``LocalHub.as_default_endpoint``)."""
-        with hub_offline_mode(False), LocalHub() as hub, hub.as_default_endpoint():
-            yield hub
-
-except ImportError:  # pragma: no cover
-    pass
