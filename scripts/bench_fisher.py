@@ -39,8 +39,9 @@ def build(model_name: str):
 
     if model_name in SIZES:  # random Llamas: tiny as in the tests (hidden 32), small (hidden 128)
         hidden, vocab, layers = SIZES[model_name]
-        model = tiny_llama(vocab_size=vocab, hidden_size=hidden, layers=layers, heads=4, tie=True,
-                           max_position_embeddings=2048)
+        model = tiny_llama(
+            vocab_size=vocab, hidden_size=hidden, layers=layers, heads=4, tie=True, max_position_embeddings=2048
+        )
         return model, [[i % 60 + 1, (7 * i) % 60 + 1, 3, 4, 5, 6] for i in range(64)]
 
     model, tokenizer = load_causal_lm(EMBEDDED)
@@ -65,7 +66,7 @@ def worker(model_name: str, engine: str, batch: int, repeats: int, max_new_token
         if engine == "batched":
             add_batched_squared_scores(model, params, sums, prompts, responses, sampler)
         elif engine == "loop":
-            for prompt, response in zip(prompts, responses):
+            for prompt, response in zip(prompts, responses, strict=True):
                 add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
         elif engine == "floor":
             total = sum(sequence_log_prob_batched(model, prompts, responses, sampler))
@@ -89,22 +90,28 @@ def worker(model_name: str, engine: str, batch: int, repeats: int, max_new_token
 
         save_file(tensors, out + ".safetensors")
     with open(out + ".json", "w") as handle:
-        json.dump({"seconds": min(times), "extra_peak_mb": (peak - base_rss) / 1024,
-                   "model_mb": sum(p.numel() for p in params) * 4 / 2**20,
-                   "tokens": sum(len(p) + len(r) for p, r in zip(prompts, responses))}, handle)
+        json.dump(
+            {
+                "seconds": min(times),
+                "extra_peak_mb": (peak - base_rss) / 1024,
+                "model_mb": sum(p.numel() for p in params) * 4 / 2**20,
+                "tokens": sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)),
+            },
+            handle,
+        )
 
 
 def sequence_log_prob_batched(model, prompts, responses, sampler):
     """log mu(y_b|x_b) for a right-padded batch in one forward (the floor's loss)."""
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         ids[b, : len(p) + len(r)] = torch.tensor(p + r)
         mask[b, : len(p) + len(r)] = 1
     logits = model(input_ids=ids, attention_mask=mask).logits
     out = []
-    for b, (p, r) in enumerate(zip(prompts, responses)):
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
         logp = sampler.log_probs(logits[b, len(p) - 1 : len(p) + len(r) - 1])
         out.append(logp.gather(1, torch.tensor(r).unsqueeze(1)).sum())
     return out
@@ -116,7 +123,11 @@ def per_sample_grads_squared(model, params, prompts, responses):
     from torch.func import functional_call, grad, vmap
 
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    ids = torch.tensor([p + r for p, r in zip(prompts, responses)]) if len({len(p) for p in prompts}) == 1 else None
+    ids = (
+        torch.tensor([p + r for p, r in zip(prompts, responses, strict=True)])
+        if len({len(p) for p in prompts}) == 1
+        else None
+    )
     if ids is None:
         raise RuntimeError("torch.func path needs equal prompt lengths")
     plen, rlen = len(prompts[0]), len(responses[0])
@@ -125,15 +136,28 @@ def per_sample_grads_squared(model, params, prompts, responses):
         logits = functional_call(model, weights, (seq.unsqueeze(0),)).logits[0, plen - 1 : plen + rlen - 1]
         return logits.log_softmax(-1).gather(1, seq[plen:].unsqueeze(1)).sum()
 
-    weights = {n: p.detach() for n, p in zip(names, params)}
+    weights = {n: p.detach() for n, p in zip(names, params, strict=True)}
     grads = vmap(grad(log_prob), in_dims=(None, 0))(weights, ids)
     return [grads[n].square().sum(0) for n in names]
 
 
 def measure(model_name, engine, args, workdir):
     out = os.path.join(workdir, f"{model_name}-{engine}".replace(".", "_"))
-    command = [sys.executable, __file__, "--worker", model_name, engine, "--batch", str(args.batch),
-               "--repeats", str(args.repeats), "--max-new-tokens", str(args.max_new_tokens), "--out", out]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        model_name,
+        engine,
+        "--batch",
+        str(args.batch),
+        "--repeats",
+        str(args.repeats),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--out",
+        out,
+    ]
     run = subprocess.run(command, capture_output=True, text=True)
     if run.returncode != 0:
         return {"error": run.stderr.strip().splitlines()[-1][:80]}
@@ -166,23 +190,36 @@ def main():
     result = {}
     with tempfile.TemporaryDirectory() as workdir:
         for model_name in models:
-            rows = {e: measure(model_name, e, args, workdir) for e in ENGINES
-                    if not (e == "torch.func" and model_name not in SIZES)}
-            print(f"\n{model_name}, batch {args.batch}, {args.max_new_tokens} new tokens, "
-                  f"{rows['loop'].get('model_mb', 0):.0f} MB of float32 parameters")
-            print(f"{'engine':>11} | {'seq/s':>7} | {'time / floor':>12} | {'loop / time':>11} | "
-                  f"{'extra peak MB':>13} | {'max rel diff to loop':>20}")
+            rows = {
+                e: measure(model_name, e, args, workdir)
+                for e in ENGINES
+                if not (e == "torch.func" and model_name not in SIZES)
+            }
+            print(
+                f"\n{model_name}, batch {args.batch}, {args.max_new_tokens} new tokens, "
+                f"{rows['loop'].get('model_mb', 0):.0f} MB of float32 parameters"
+            )
+            print(
+                f"{'engine':>11} | {'seq/s':>7} | {'time / floor':>12} | {'loop / time':>11} | "
+                f"{'extra peak MB':>13} | {'max rel diff to loop':>20}"
+            )
             for engine, row in rows.items():
                 if "error" in row:
                     print(f"{engine:>11} | did not run: {row['error']}")
                     continue
                 diff = max_rel_diff(row["tensors"], rows["loop"]["tensors"]) if "tensors" in row else float("nan")
-                print(f"{engine:>11} | {args.batch / row['seconds']:>7.2f} | {row['seconds'] / rows['floor']['seconds']:>12.2f} | "
-                      f"{rows['loop']['seconds'] / row['seconds']:>11.2f} | {row['extra_peak_mb']:>13.0f} | {diff:>20.2e}")
+                print(
+                    f"{engine:>11} | {args.batch / row['seconds']:>7.2f} | "
+                    f"{row['seconds'] / rows['floor']['seconds']:>12.2f} | "
+                    f"{rows['loop']['seconds'] / row['seconds']:>11.2f} | {row['extra_peak_mb']:>13.0f} | "
+                    f"{diff:>20.2e}"
+                )
             if model_name == "tiny":
-                result = {"estimator_vs_fwdbwd": rows["batched"]["seconds"] / rows["floor"]["seconds"],
-                          "estimator_vs_loop": rows["loop"]["seconds"] / rows["batched"]["seconds"],
-                          "max_rel_diff": max_rel_diff(rows["batched"]["tensors"], rows["loop"]["tensors"])}
+                result = {
+                    "estimator_vs_fwdbwd": rows["batched"]["seconds"] / rows["floor"]["seconds"],
+                    "estimator_vs_loop": rows["loop"]["seconds"] / rows["batched"]["seconds"],
+                    "max_rel_diff": max_rel_diff(rows["batched"]["tensors"], rows["loop"]["tensors"]),
+                }
     print("RESULT " + " ".join(f"{k}={v:.3g}" for k, v in result.items()))
 
 

@@ -73,17 +73,31 @@ def soak(steps: int = 500, warmup: int = 50, every: int = 50, vocab: int = 64) -
     torch.set_num_threads(1)
     model = _tiny_llama(vocab)
     protect = FisherAnchor(_fisher(model, 1), name="math")
-    monitors = [FisherAnchor(_fisher(model, 2, lambda n: "mlp" in n), name="code"),
-                FisherAnchor(_fisher(model, 3, lambda n: "attn" in n), name="chat")]
+    monitors = [
+        FisherAnchor(_fisher(model, 2, lambda n: "mlp" in n), name="code"),
+        FisherAnchor(_fisher(model, 3, lambda n: "attn" in n), name="chat"),
+    ]
     probe = _Probe(min(warmup, steps), every)
     with tempfile.TemporaryDirectory(prefix="hf-cfp-soak-") as out:
         args = TrainingArguments(
-            output_dir=out, use_cpu=True, report_to=[], logging_steps=1, max_steps=steps,
-            per_device_train_batch_size=4, learning_rate=1e-3, save_strategy="no", disable_tqdm=True,
-            seed=0, dataloader_num_workers=0,
+            output_dir=out,
+            use_cpu=True,
+            report_to=[],
+            logging_steps=1,
+            max_steps=steps,
+            per_device_train_batch_size=4,
+            learning_rate=1e-3,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            dataloader_num_workers=0,
         )
-        trainer = Trainer(model=model, args=args, train_dataset=_dataset(vocab),
-                          callbacks=[CFPCallback(protect, lam=1.0, monitor=monitors), probe])
+        trainer = Trainer(
+            model=model,
+            args=args,
+            train_dataset=_dataset(vocab),
+            callbacks=[CFPCallback(protect, lam=1.0, monitor=monitors), probe],
+        )
         trainer.remove_callback(PrinterCallback)  # every step is logged: keep stdout to the table
         fd_start = open_fds()
         trainer.train()
@@ -95,9 +109,14 @@ def soak(steps: int = 500, warmup: int = 50, every: int = 50, vocab: int = 64) -
     finite = bool(logs) and all(math.isfinite(v) for v in numbers) and len(cfp_keys) >= 7
     warm = probe.rss[probe.warmup]
     return {
-        "rss": dict(sorted(probe.rss.items())), "rss_growth_mb": probe.rss[max(probe.rss)] - warm,
-        "fd_start": fd_start, "fd_end": fd_end, "fd_growth": fd_end - fd_start, "finite": finite,
-        "logs": len(logs), "cfp_keys": sorted(cfp_keys),
+        "rss": dict(sorted(probe.rss.items())),
+        "rss_growth_mb": probe.rss[max(probe.rss)] - warm,
+        "fd_start": fd_start,
+        "fd_end": fd_end,
+        "fd_growth": fd_end - fd_start,
+        "finite": finite,
+        "logs": len(logs),
+        "cfp_keys": sorted(cfp_keys),
     }
 
 
@@ -115,8 +134,10 @@ def main(argv=None) -> None:
     print(f"RSS growth after warm-up (step {options.warmup}): {result['rss_growth_mb']:+.2f} MiB")
     print(f"open file descriptors: {result['fd_start']} at start, {result['fd_end']} at end")
     print(f"all metrics finite: {result['finite']}")
-    print(f"RESULT rss_growth_mb={result['rss_growth_mb']:.2f} fd_growth={result['fd_growth']} "
-          f"finite={str(result['finite']).lower()}")
+    print(
+        f"RESULT rss_growth_mb={result['rss_growth_mb']:.2f} fd_growth={result['fd_growth']} "
+        f"finite={str(result['finite']).lower()}"
+    )
 
 
 if __name__ == "__main__":

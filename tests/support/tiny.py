@@ -21,13 +21,15 @@ def tiny_tokenizer(vocab_size=300):
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     special = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     words = ["two", "plus", "three", "is", "five", "what", "the", "answer", "code", "print", "sum"]
     corpus = [" ".join(words[(i * k) % len(words)] for k in range(1, 8)) for i in range(200)]
     tokenizer.train_from_iterator(corpus, trainer)
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>",
-                                      bos_token="<s>", eos_token="</s>")
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
 
@@ -37,8 +39,11 @@ def anchor_for(model, name="math", seed=0):
     from hf_cfp import FisherAnchor
 
     g = torch.Generator().manual_seed(seed)
-    return FisherAnchor({n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}, name=name,
-                        metadata={"base_model": "org/base"})
+    return FisherAnchor(
+        {n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()},
+        name=name,
+        metadata={"base_model": "org/base"},
+    )
 
 
 def torchrun(script, *args, nproc: int = 2, timeout: int = 300, env: dict | None = None):
@@ -53,8 +58,6 @@ def torchrun(script, *args, nproc: int = 2, timeout: int = 300, env: dict | None
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-         "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)

@@ -1,0 +1,165 @@
+"""The package's shape: layered subpackages, no import cycle, no hidden function-local imports.
+
+Read from the source with `ast` (nothing is imported), so a violation names the file and line.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hf_cfp"
+
+# Each layer imports only from layers before it (and from itself).
+LAYERS = [
+    ("version", "errors", "names"),
+    ("ops",),
+    ("parallel",),
+    ("anchor",),
+    ("fisher",),
+    ("protection",),
+    ("integrations",),
+    ("demo",),
+    ("cli",),
+    ("__init__",),
+]
+LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+
+# Optional heavy dependencies may be imported inside a function, with a comment saying why.
+LAZY_ALLOWED = {"deepspeed", "peft", "matplotlib", "bitsandbytes"}
+
+# Modules allowed over MAX_LINES, with the reason.
+MAX_LINES = 350
+LONG_MODULES: dict[str, str] = {}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def is_type_checking_block(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def imports(path: Path):
+    """(node, inside a function) for every import in `path`, skipping `if TYPE_CHECKING:` blocks."""
+    found = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if is_type_checking_block(child):
+                continue
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, in_function))
+            visit(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text()), False)
+    return found
+
+
+def package_targets(module: str, node: ast.AST) -> list[str]:
+    """The hf_cfp modules an import statement loads (a submodule if named, else the package)."""
+    is_package = MODULES[module].name == "__init__.py"
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == "hf_cfp"]
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        base = module.split(".")
+        base = base[: len(base) - node.level + (1 if is_package else 0)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    if source.split(".")[0] != "hf_cfp":
+        return []
+    targets = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in MODULES]
+    if len(targets) < len(node.names):  # some names are attributes of `source` itself
+        targets.append(source)
+    return [t for t in targets if t != module]
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        graph[module] = {t for node, _ in imports(path) for t in package_targets(module, node)}
+    return graph
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYER_OF["__init__" if len(parts) == 1 else parts[1]]
+
+
+def test_every_module_has_a_layer():
+    assert all(layer(m) >= 0 for m in MODULES)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a] (depth-first search), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_on_known_graphs():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"x": {"x"}}) == ["x", "x"]
+
+
+def test_import_graph_has_no_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imports_point_down_the_layers():
+    upward = [
+        f"{module} (layer {layer(module)}) imports {target} (layer {layer(target)})"
+        for module, targets in import_graph().items()
+        for target in targets
+        if layer(target) > layer(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_function_local_imports_are_optional_dependencies_with_a_reason():
+    problems = []
+    for path in MODULES.values():
+        lines = path.read_text().splitlines()
+        for node, in_function in imports(path):
+            if not in_function:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or "."]
+            roots = {name.split(".")[0] for name in names}
+            context = lines[max(0, node.lineno - 3) : node.lineno]
+            if not roots <= LAZY_ALLOWED:
+                problems.append(f"{path.name}:{node.lineno} imports {names} inside a function")
+            elif not any("#" in line for line in context):
+                problems.append(f"{path.name}:{node.lineno} imports {names} lazily without a comment saying why")
+    assert not problems, "\n".join(problems)
+
+
+def test_modules_stay_small():
+    long = {
+        module: len(path.read_text().splitlines())
+        for module, path in MODULES.items()
+        if len(path.read_text().splitlines()) > MAX_LINES and module not in LONG_MODULES
+    }
+    assert not long, f"modules over {MAX_LINES} lines without a reason in LONG_MODULES: {long}"

@@ -1,0 +1,32 @@
+"""The command line: `inspect` on a directory, and `push` / `pull` / `inspect` against the local fake
+Hub (tests/support/hub_server.py)."""
+
+import json
+
+from support.anchors import same_anchor
+from support.tiny import anchor_for, tiny_llama
+
+from hf_cfp import FisherAnchor
+from hf_cfp.cli import main
+
+
+def test_inspect_prints_the_metadata(tmp_path, capsys):
+    FisherAnchor({"w": [1.0, 3.0]}, name="code", metadata={"num_sequences": 7}).save_pretrained(tmp_path)
+    main(["inspect", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith("FisherAnchor(name='code', tensors=1, coordinates=2)")
+    metadata = json.loads(out[out.index("{") :])
+    assert metadata["num_sequences"] == 7 and metadata["statistics"]["total_mass"] == 4.0
+
+
+def test_cli_push_pull_inspect(local_hub, tmp_path, capsys):
+    anchor_for(tiny_llama()).save_pretrained(tmp_path / "a")
+    main(["push", str(tmp_path / "a"), "org/base", "--create-pr"])
+    assert "pull request" in capsys.readouterr().out
+    main(["pull", "org/base@refs/pr/1:cfp/math", "--output", str(tmp_path / "b")])
+    assert f"at commit {local_hub.resolve('org/base', 'refs/pr/1')}" in capsys.readouterr().out
+    assert same_anchor(FisherAnchor.from_pretrained(tmp_path / "b"), FisherAnchor.from_pretrained(tmp_path / "a"))
+    main(["inspect", "org/base@refs/pr/1:cfp/math"])
+    out = capsys.readouterr().out
+    shares = json.loads(out[out.index("{") :])["concentration"]["top_shares"]
+    assert 0 < shares["0.1%"] <= shares["1%"] <= shares["5%"] <= 1

@@ -1,0 +1,76 @@
+"""The built wheel carries its package data: installed into a clean venv, it renders a model card.
+
+The wheel is built from the repository without build isolation (no download), installed with
+`--no-deps` into a new venv whose only other path is this environment's site-packages (for torch,
+transformers, ...), so `import hf_cfp` there resolves to the wheel, not to the editable checkout.
+"""
+
+import json
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+RENDER = """
+import json, sys, torch, hf_cfp
+from hf_cfp.anchor.card import render_card
+anchor = hf_cfp.FisherAnchor({"w": torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, name="math",
+                             metadata={"base_model": "org/base", "num_sequences": 8})
+card = render_card(anchor, "org/base:cfp/math")
+print(json.dumps({"file": hf_cfp.__file__, "card": str(card)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (built,) = out.glob("hf_cfp-*.whl")
+    return built
+
+
+def test_wheel_contains_the_package_data(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "hf_cfp/anchor/templates/fisher_anchor.md" in names
+    assert {"hf_cfp/demo/data/math.jsonl", "hf_cfp/demo/data/pirate_style.jsonl"} <= names
+    assert not any(name.startswith("tests/") for name in names)
+
+
+def test_wheel_in_a_clean_venv_renders_the_model_card(wheel, tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=False).create(env_dir)
+    python = env_dir / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    result = subprocess.run([python, "-c", RENDER], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    shown = json.loads(result.stdout.strip().splitlines()[-1])
+    assert Path(shown["file"]).is_relative_to(env_dir)  # the wheel, not the checkout
+    card = shown["card"]
+    assert "# CFP Fisher anchor: `math` for [org/base](https://huggingface.co/org/base)" in card
+    assert "base_model: org/base" in card and "org/base:cfp/math" in card
+    assert "Total mass 10, mean 2.5, 99th percentile 4, max 4." in card  # F = [[1, 2], [3, 4]]

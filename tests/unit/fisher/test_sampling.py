@@ -1,0 +1,92 @@
+"""The sampler's distribution (`Sampler.log_probs`) against plain Python and against transformers'
+own logits warpers, and its gradient: the score of the truncated distribution."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from hf_cfp.fisher.sampling import Sampler
+
+
+def py_sampler_probs(row, temperature, top_k, top_p):
+    """Plain Python: z/tau; keep the top_k largest; softmax; keep the smallest top set whose
+    cumulative probability reaches top_p; renormalize."""
+    z = [v / temperature for v in row]
+    order = sorted(range(len(z)), key=lambda a: z[a], reverse=True)
+    if top_k is not None:
+        order = order[:top_k]
+    peak = max(z[a] for a in order)
+    weights = {a: math.exp(z[a] - peak) for a in order}
+    total = sum(weights.values())
+    probs = {a: w / total for a, w in weights.items()}
+    kept, cumulative = [], 0.0
+    for a in order:
+        kept.append(a)
+        cumulative += probs[a]
+        if cumulative >= top_p:
+            break
+    mass = sum(probs[a] for a in kept)
+    return [probs[a] / mass if a in kept else 0.0 for a in range(len(z))]
+
+
+SAMPLER_SETTINGS = [
+    (1.0, None, 1.0),
+    (0.7, None, 1.0),
+    (1.5, None, 1.0),
+    (1.0, 3, 1.0),
+    (1.0, 1, 1.0),
+    (1.0, None, 0.3),
+    (1.0, None, 0.9),
+    (0.5, None, 0.6),
+    (1.3, 5, 0.6),
+    (0.8, 2, 0.95),
+    (1.0, None, 1e-6),
+]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLER_SETTINGS)
+def test_sampler_log_probs_match_plain_python(temperature, top_k, top_p):
+    generator = torch.Generator().manual_seed(1234)
+    logits = 2.5 * torch.randn(2, 16, 11, generator=generator)  # any leading shape
+    log_probs = Sampler(temperature, top_k, top_p).log_probs(logits)
+    assert log_probs.shape == logits.shape
+    truncated = top_k is not None or top_p < 1
+    for index in itertools.product(range(2), range(16)):
+        reference = torch.tensor(py_sampler_probs(logits[index].tolist(), temperature, top_k, top_p))
+        got = log_probs[index]
+        assert torch.equal(torch.isneginf(got), reference == 0), (index, got, reference)
+        torch.testing.assert_close(got.exp().double(), reference.double(), rtol=1e-5, atol=1e-6)
+        if top_k is not None:
+            assert int((reference > 0).sum()) <= top_k
+    if truncated and top_p < 1e-3:
+        assert torch.equal(log_probs.argmax(-1), logits.argmax(-1))
+        assert torch.equal(torch.isfinite(log_probs).sum(-1), torch.ones(2, 16, dtype=torch.long))
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLER_SETTINGS)
+def test_sampler_matches_transformers_warpers(temperature, top_k, top_p):
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    generator = torch.Generator().manual_seed(99)
+    logits = 2.5 * torch.randn(32, 11, generator=generator)
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    torch.testing.assert_close(
+        Sampler(temperature, top_k, top_p).log_probs(logits).exp(), scores.softmax(-1), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_sampler_log_probs_gradient_is_score_of_truncated_distribution():
+    # d/dz log mu(a) = (1/tau) (onehot(a) - mu) on the kept set, 0 on truncated tokens.
+    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, 0.0], requires_grad=True)
+    sampler = Sampler(0.8, 3, 1.0)
+    log_mu = sampler.log_probs(logits)
+    (grad,) = torch.autograd.grad(log_mu[1], logits)
+    mu = torch.tensor(py_sampler_probs(logits.tolist(), 0.8, 3, 1.0))
+    expected = (torch.nn.functional.one_hot(torch.tensor(1), 5).float() - mu.float()) / 0.8
+    torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
