@@ -13,8 +13,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..anchor import check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, load_theta0, save_theta0
-from .reporting import add_to_step_log, calling_handler, move_before_reporters
+from ..protection import CFPState, SavedTheta0, has_saved_theta0, save_theta0
+from .reporting import add_to_step_log, find_trainer_call, move_before_reporters
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class CFPCallback(TrainerCallback):
         strict (`bool`, *optional*, defaults to `True`):
             An anchor computed for another base model (its stored fingerprint differs from the model's names,
             shapes, dtypes or sampled weights) raises `AnchorMismatchError`; `False` downgrades that to a warning.
+        restart_path_on_resume (`bool`, *optional*, defaults to `False`):
+            Resuming from a checkpoint that has no saved theta0 (saved without CFP) raises `CFPError`; `True`
+            takes theta0 from the resumed weights instead, so the protected path starts again there.
 
     Example:
 
@@ -82,6 +85,7 @@ class CFPCallback(TrainerCallback):
         push_if_computed: bool = False,
         estimate_kwargs: dict[str, Any] | None = None,
         strict: bool = True,
+        restart_path_on_resume: bool = False,
     ):
         self.anchor = resolve_anchor(anchor, compute_if_missing, push_if_computed, estimate_kwargs)
         self.monitors = [load_anchor(m) for m in monitor]
@@ -95,6 +99,7 @@ class CFPCallback(TrainerCallback):
         self.lam = lam
         self.free_fraction = free_fraction
         self.strict = strict
+        self.restart_path_on_resume = restart_path_on_resume
         self.protection: CFPState | None = None  # bound at train begin
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
@@ -128,36 +133,54 @@ class CFPCallback(TrainerCallback):
         if isinstance(self.anchor, PendingAnchor):
             self.anchor = self.anchor.compute(model, kwargs.get("processing_class"))
         anchor = self.anchor
+        call = find_trainer_call(self)
         if self.protection is None or self.protection.model is not model:  # first train(), or another model
             refuse_unsupported_layout(model, args, optimizer)
             theta0 = None
             if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
-                theta0 = load_theta0(_checkpoint_dir(args, state))
-                if theta0 is None:
-                    logger.warning(
-                        "CFPCallback: resuming at step %d from a checkpoint without cfp_theta0: theta0 is taken "
-                        "from the resumed weights, so the path restarts there.",
-                        state.global_step,
-                    )
+                theta0 = self._saved_theta0(args, state, call.resume_from_checkpoint if call else None)
             else:
                 for bound in (anchor, *self.monitors):
                     check_fingerprint(bound.metadata.get("base_fingerprint"), model, bound.name, self.strict)
             self.protection = CFPState(model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0)
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
-        if not self._attached:
-            self._place_before_reporters()
-
-    def _place_before_reporters(self) -> None:
-        """Find the CallbackHandler calling this hook and move the callback before its reporters."""
-        handler = calling_handler(self)
-        if handler is None:
+        if self._attached:
+            return
+        if call is None:
             logger.warning(
                 "CFPCallback could not find the Trainer's callback handler: its metrics reach the console and "
                 "state.log_history only. Call `cfp_callback.attach(trainer)` before trainer.train() to place it "
                 "before the reporting callbacks."
             )
         else:
-            move_before_reporters(handler, self)
+            move_before_reporters(call.handler, self)
+
+    def _saved_theta0(
+        self, args: TrainingArguments, state: TrainerState, resumed_from: str | None
+    ) -> SavedTheta0 | None:
+        """The theta0 saved in the checkpoint being resumed: the path the Trainer resumes from, else
+        `args.resume_from_checkpoint`, else `output_dir/checkpoint-<step>`. Without one, raise
+        CFPError, or with `restart_path_on_resume=True` return None (theta0 = the resumed weights)."""
+        explicit = getattr(args, "resume_from_checkpoint", None)  # a loop may pass no TrainingArguments
+        checkpoint = resumed_from or (explicit if isinstance(explicit, str) else None)
+        if checkpoint is None and getattr(args, "output_dir", None):
+            checkpoint = _checkpoint_dir(args, state)
+        if checkpoint is not None and has_saved_theta0(checkpoint):
+            return SavedTheta0(checkpoint)
+        if self.restart_path_on_resume:
+            logger.info(
+                "CFPCallback: no saved theta0 in %s; the protected path restarts at the resumed weights "
+                "(restart_path_on_resume=True).",
+                checkpoint,
+            )
+            return None
+        raise CFPError(
+            f"CFPCallback: resuming at step {state.global_step}, but the checkpoint {checkpoint!r} has no saved "
+            "theta0 (cfp_theta0-rank*.safetensors), so the protected path would restart at the resumed weights. "
+            "Resume from a checkpoint saved while CFPCallback was attached; if your trainer does not pass the path "
+            "it resumes from, set TrainingArguments(resume_from_checkpoint=<that path>); or pass "
+            "CFPCallback(..., restart_path_on_resume=True) to start the path again on purpose."
+        )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any

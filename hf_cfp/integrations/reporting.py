@@ -8,32 +8,49 @@ the callback just before the first reporter:
 - explicit: `move_before_reporters(trainer.callback_handler, callback)`, which
   `CFPCallback.attach(trainer)` calls;
 - automatic: at train begin the callback finds the CallbackHandler that is calling it
-  (`calling_handler`, the one place that walks stack frames, a transformers internal).
+  (`find_trainer_call`, the one place that walks stack frames, a transformers internal; the same
+  walk reads the checkpoint path the Trainer is resuming from).
 
 In `on_log` the callback also updates the history entry of that step (`add_to_step_log`).
 """
 
+import os
 import sys
+from dataclasses import dataclass
 from types import FrameType
 
-from transformers import TrainerCallback, TrainerState
+from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler
 
 _REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())
 
 
-def calling_handler(callback: TrainerCallback, max_depth: int = 16) -> CallbackHandler | None:
-    """The CallbackHandler up the call stack whose callbacks include `callback`, or None."""
+@dataclass(frozen=True)
+class TrainerCall:
+    """The Trainer call that fired the current callback event."""
+
+    handler: CallbackHandler  # dispatches the events; holds `callback`
+    resume_from_checkpoint: str | None  # the checkpoint this `train()` resumes from (resolved), if known
+
+
+def find_trainer_call(callback: TrainerCallback, max_depth: int = 16) -> TrainerCall | None:
+    """Walk up the call stack: the CallbackHandler whose callbacks include `callback`, and above it
+    the Trainer method that called the handler, whose `resume_from_checkpoint` local holds the
+    checkpoint path (`True` already resolved to the latest checkpoint). None without a handler."""
     frame: FrameType | None = sys._getframe(1)
+    handler = None
     for _ in range(max_depth):
         if frame is None:
-            return None
+            break
         owner = frame.f_locals.get("self")
-        if isinstance(owner, CallbackHandler) and any(cb is callback for cb in owner.callbacks):
-            return owner
+        if handler is None and isinstance(owner, CallbackHandler) and any(cb is callback for cb in owner.callbacks):
+            handler = owner
+        elif handler is not None and isinstance(owner, Trainer):
+            resume = frame.f_locals.get("resume_from_checkpoint")
+            return TrainerCall(handler, os.fspath(resume) if isinstance(resume, (str, os.PathLike)) else None)
         frame = frame.f_back
-    return None
+    return TrainerCall(handler, None) if handler is not None else None
 
 
 def move_before_reporters(handler: CallbackHandler, callback: TrainerCallback) -> None:

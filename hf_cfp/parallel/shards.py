@@ -11,6 +11,8 @@
 Binding slices F to the same elements, so correction and drift run on local pieces only.
 """
 
+import math
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -43,6 +45,26 @@ def held_pieces(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[i
         views[name] = view
         pieces[id(view)] = piece
     return views, pieces
+
+
+def dtensor_flat_range(param: DTensor) -> tuple[int, int] | None:
+    """[start, stop): the elements of the row-major flattened full parameter that this process's
+    shard of `param` holds, or None when the shard is not one contiguous run of them.
+
+    With local shape n and global offset o, the shard is contiguous when every dimension before
+    the first split one, i, is whole; then start = o_i * s_i and stop = (o_i + n_i) * s_i with
+    s_i = prod(full_shape[i + 1:]), and every dimension after i must be whole too.
+    """
+    full = tuple(param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, tuple(param.placements))
+    split = [d for d, (n, size) in enumerate(zip(shape, full, strict=True)) if n != size]
+    if not split:
+        return 0, param.numel()
+    first = split[0]
+    if any(d != first for d in split):
+        return None
+    stride = math.prod(full[first + 1 :])
+    return offset[first] * stride, (offset[first] + shape[first]) * stride
 
 
 def dtensor_local_fisher(name: str, fisher: torch.Tensor, param: DTensor) -> tuple[torch.Tensor, bool]:

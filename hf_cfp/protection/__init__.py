@@ -5,7 +5,7 @@ Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom 
 """
 
 from .binding import BoundTensor, bind_anchor
-from .checkpoint import load_theta0, save_theta0
+from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
 from .state import CFPState
 
-__all__ = ["BoundTensor", "CFPState", "bind_anchor", "load_theta0", "save_theta0"]
+__all__ = ["BoundTensor", "CFPState", "SavedTheta0", "bind_anchor", "has_saved_theta0", "save_theta0"]

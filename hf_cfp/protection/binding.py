@@ -14,9 +14,19 @@ from torch.distributed.tensor import DTensor
 from ..anchor import FisherAnchor
 from ..errors import AnchorMismatchError
 from ..names import canonical_name
-from ..parallel.shards import dtensor_local_fisher, held_pieces
+from ..parallel.shards import dtensor_flat_range, dtensor_local_fisher, held_pieces
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HeldRange:
+    """Elements [start, stop) of the row-major flattened full parameter (`numel` elements) that this
+    process holds; None bounds when its part is not one contiguous run (a DTensor split on a later dim)."""
+
+    start: int | None
+    stop: int | None
+    numel: int
 
 
 @dataclass
@@ -27,6 +37,7 @@ class BoundTensor:
     param: torch.Tensor  # a Parameter, or a view into an FSDP1 flat shard
     fisher: torch.Tensor  # float32, on the parameter's device; for a sharded parameter, its local part only
     sharded: bool  # split across processes: sums over it are added across processes
+    held: HeldRange  # which elements of the full parameter this process holds
 
 
 def bind_anchor(anchor: FisherAnchor, model: torch.nn.Module) -> list[BoundTensor]:
@@ -64,13 +75,18 @@ def bind_anchor(anchor: FisherAnchor, model: torch.nn.Module) -> list[BoundTenso
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
+            numel = fisher.numel()
             if piece is not None:
+                held = HeldRange(piece.start, piece.stop, numel)
                 fisher, sharded = piece.fisher(fisher), True
             elif isinstance(param, DTensor):
+                start, stop = dtensor_flat_range(param) or (None, None)
+                held = HeldRange(start, stop, numel)
                 fisher, sharded = dtensor_local_fisher(name, fisher, param)
             else:
-                sharded = False
-            bound.append(BoundTensor(name, param, fisher.to(device=param.device, dtype=torch.float32), sharded))
+                held, sharded = HeldRange(0, numel, numel), False
+            local_fisher = fisher.to(device=param.device, dtype=torch.float32)
+            bound.append(BoundTensor(name, param, local_fisher, sharded, held))
     if frozen:
         logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])
     return bound

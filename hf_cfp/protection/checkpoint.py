@@ -1,37 +1,121 @@
 """theta0 saved with each Trainer checkpoint, so a resumed run keeps the original path origin.
 
-Disk cost per checkpoint: 4 bytes per covered trainable parameter (one float32 copy), in
-`cfp_theta0.safetensors` (written by rank 0 when parameters are replicated), or one
-`cfp_theta0-rank{r}-of-{n}.safetensors` per process holding its shards (FSDP, ZeRO-3).
+Layout-independent: every saved tensor is a run of elements [start, stop) of its parameter's
+row-major flattened full tensor, recorded in the file header (`cfp_ranges`: name -> [start, stop,
+numel]). Each process writes the pieces it holds of sharded parameters (FSDP2, FSDP1, ZeRO-3)
+to `cfp_theta0-rank{r}-of-{n}.safetensors`; rank 0 also writes the replicated ones (DDP, one
+process). Resuming, each process reads the elements it holds now from whichever files have
+them, so a checkpoint saved by n processes resumes under any number and any layout.
+
+Disk cost per checkpoint: 4 bytes per covered trainable parameter (one float32 copy), in total.
 """
 
+import json
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
+from ..errors import CFPError
 from ..parallel import process_rank_and_count
+from .binding import HeldRange
 from .state import CFPState
 
-REPLICATED_NAME = "cfp_theta0.safetensors"
+FILE_PATTERN = "cfp_theta0*.safetensors"
+RANGES_KEY = "cfp_ranges"
 
 
-def _filename(sharded: bool) -> str:
-    rank, count = process_rank_and_count()
-    return f"cfp_theta0-rank{rank:05d}-of-{count:05d}.safetensors" if sharded else REPLICATED_NAME
+def has_saved_theta0(checkpoint_dir: str | Path) -> bool:
+    """Whether `checkpoint_dir` holds theta0 files written by `save_theta0`."""
+    return Path(checkpoint_dir).is_dir() and any(Path(checkpoint_dir).glob(FILE_PATTERN))
 
 
 def save_theta0(protection: CFPState, checkpoint_dir: str | Path) -> None:
-    """Write this process's theta0 (`protection.theta0_state()`) into the checkpoint directory."""
-    sharded = any(protection.sharded)
-    if sharded or process_rank_and_count()[0] == 0:
-        save_file(protection.theta0_state(), Path(checkpoint_dir) / _filename(sharded), metadata={"format": "pt"})
+    """Write this process's theta0 pieces into the checkpoint directory (every process calls this)."""
+    rank, count = process_rank_and_count()
+    tensors, ranges = {}, {}
+    for name, theta0, held, sharded in zip(
+        protection.names, protection.theta0, protection.held, protection.sharded, strict=True
+    ):
+        if not sharded and rank != 0:  # replicated: rank 0 writes it once
+            continue
+        if held.start is None or held.stop is None:
+            raise CFPError(
+                f"Cannot save theta0 of {name!r}: this process's shard is not one contiguous run of the "
+                "parameter's elements (a DTensor sharded on a dimension other than the first). Shard "
+                "parameters on dim 0 (FSDP2's default) to checkpoint a protected run."
+            )
+        tensors[name] = theta0.detach().reshape(-1).cpu()
+        ranges[name] = [held.start, held.stop, held.numel]
+    if tensors:
+        Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
+        path = Path(checkpoint_dir) / f"cfp_theta0-rank{rank:05d}-of-{count:05d}.safetensors"
+        save_file(tensors, path, metadata={"format": "pt", RANGES_KEY: json.dumps(ranges)})
 
 
-def load_theta0(checkpoint_dir: str | Path) -> dict[str, torch.Tensor] | None:
-    """This process's saved theta0, or None when the checkpoint has none (saved without CFP)."""
-    directory = Path(checkpoint_dir)
-    for name in (_filename(sharded=True), REPLICATED_NAME):
-        if (directory / name).is_file():
-            return load_file(directory / name)
-    return None
+class SavedTheta0:
+    """The theta0 saved in one checkpoint directory, read piece by piece (a `state.Theta0Reader`).
+
+    Files written before ranges were recorded (`cfp_theta0.safetensors` with full tensors) read as
+    whole parameters.
+    """
+
+    def __init__(self, checkpoint_dir: str | Path):
+        self.directory = Path(checkpoint_dir)
+        self.files = sorted(self.directory.glob(FILE_PATTERN))
+        if not self.files:
+            raise CFPError(f"No saved theta0 ({FILE_PATTERN}) in {str(self.directory)!r}.")
+
+    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
+        """name -> float32 elements [start, stop) of each wanted parameter's flattened saved theta0.
+
+        Raises CFPError naming the parameter when the saved pieces do not cover those elements or
+        were saved for a parameter of another size.
+        """
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
+            pieces: dict[str, list[tuple[int, int, int, object]]] = {}
+            for handle in handles:
+                ranges = json.loads((handle.metadata() or {}).get(RANGES_KEY, "{}"))
+                for key in handle.keys():
+                    shape = handle.get_slice(key).get_shape()
+                    start, stop, numel = ranges.get(key, [0, _numel(shape), _numel(shape)])
+                    pieces.setdefault(key, []).append((start, stop, numel, handle))
+            return {name: self._assemble(name, held, pieces.get(name, [])) for name, held in wanted}
+
+    def _assemble(self, name: str, held: HeldRange, pieces: list) -> torch.Tensor:
+        if held.start is None or held.stop is None:
+            raise CFPError(f"Cannot restore theta0 of {name!r}: this process's shard is not contiguous.")
+        out = torch.empty(held.stop - held.start, dtype=torch.float32)
+        covered = 0
+        for start, stop, numel, handle in pieces:
+            if numel != held.numel:
+                raise CFPError(
+                    f"The theta0 saved in {str(self.directory)!r} has {numel} elements for {name!r}, the model "
+                    f"{held.numel}: resume with the model and anchors of the original run."
+                )
+            low, high = max(start, held.start), min(stop, held.stop)
+            if low < high:
+                out[low - held.start : high - held.start] = _flat_slice(handle, name, low - start, high - start)
+                covered += high - low
+        if covered != held.stop - held.start:
+            raise CFPError(
+                f"The theta0 saved in {str(self.directory)!r} does not cover parameter {name!r} (elements "
+                f"{held.start}..{held.stop} of {held.numel}; {covered} found): resume with the anchors of the "
+                "original run, from a checkpoint all of whose cfp_theta0-rank*.safetensors files were kept."
+            )
+        return out
+
+
+def _numel(shape: list[int]) -> int:
+    return int(torch.Size(shape).numel())
+
+
+def _flat_slice(handle, name: str, low: int, high: int) -> torch.Tensor:
+    """Elements [low, high) of the saved tensor `name`, flattened (1-D files are sliced on disk)."""
+    view = handle.get_slice(name)
+    if len(view.get_shape()) == 1:
+        return view[low:high].float()
+    return handle.get_tensor(name).reshape(-1)[low:high].float()

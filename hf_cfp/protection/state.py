@@ -7,15 +7,23 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from ..anchor import FisherAnchor
-from ..errors import CFPError
 from ..ops import PullWeights, apply_correction, free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
-from .binding import bind_anchor
+from .binding import HeldRange, bind_anchor
+
+
+class Theta0Reader(Protocol):
+    """Where a saved theta0 comes from (`checkpoint.SavedTheta0`)."""
+
+    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
+        """name -> the saved theta0 elements [start, stop) of each wanted parameter, flat."""
+        ...
 
 
 class _CorrectionGroup:
@@ -37,8 +45,8 @@ class CFPState:
     `cfp/total_drift` = ||theta - theta0|| runs over that union. Only `anchor` is corrected.
     theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
-    `theta0` (name -> this process's tensor, as `theta0_state()` gives) restores a saved theta0
-    instead of snapshotting the current weights: resuming from a checkpoint.
+    `theta0` (a `Theta0Reader`, such as `checkpoint.SavedTheta0`) restores a saved theta0 instead of
+    snapshotting the current weights: resuming from a checkpoint, with any number of processes.
     """
 
     def __init__(
@@ -48,7 +56,7 @@ class CFPState:
         monitors: Sequence[FisherAnchor] = (),
         free_fraction: float = 0.99,
         optimizer: torch.optim.Optimizer | None = None,
-        theta0: dict[str, torch.Tensor] | None = None,
+        theta0: "Theta0Reader | None" = None,
     ):
         self.model = model
         bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
@@ -56,6 +64,7 @@ class CFPState:
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
         self.sharded: list[bool] = []
+        self.held: list[HeldRange] = []
         index: dict[int, int] = {}
         for tensors in bound.values():
             for t in tensors:
@@ -64,12 +73,12 @@ class CFPState:
                     self.params.append(t.param)
                     self.names.append(t.name)
                     self.sharded.append(t.sharded)
-        if theta0 is None:
-            self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
-        else:
-            self.theta0 = [
-                _restored(theta0, name, local_tensor(p)) for name, p in zip(self.names, self.params, strict=True)
-            ]
+                    self.held.append(t.held)
+        self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
+        if theta0 is not None:
+            saved = theta0.read(list(zip(self.names, self.held, strict=True)))
+            for name, local in zip(self.names, self.theta0, strict=True):
+                local.copy_(saved[name].reshape(local.shape))
         # anchor name -> (indices into params, local F, free-drift threshold from the anchor's full F)
         self.views = {
             name: (
@@ -95,10 +104,6 @@ class CFPState:
             [self.theta0[index[id(t.param)]] for t in protected],
             [t.fisher for t in protected],
         )
-
-    def theta0_state(self) -> dict[str, torch.Tensor]:
-        """name -> this process's theta0 (float32, CPU), to save with a checkpoint."""
-        return {name: t.cpu() for name, t in zip(self.names, self.theta0, strict=True)}
 
     def correct(self, lam: float) -> None:
         """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter."""
@@ -137,13 +142,3 @@ class CFPState:
             key: math.sqrt(replicated + float(shards))
             for (key, (replicated, _)), shards in zip(squares.items(), shard_sums, strict=True)
         }
-
-
-def _restored(theta0: dict[str, torch.Tensor], name: str, local: torch.Tensor) -> torch.Tensor:
-    saved = theta0.get(name)
-    if saved is None or saved.shape != local.shape:
-        raise CFPError(
-            f"The saved theta0 has {'no' if saved is None else 'another shape for'} parameter {name!r}: "
-            "resume with the same model, anchors and number of processes as the original run."
-        )
-    return saved.to(device=local.device, dtype=torch.float32)

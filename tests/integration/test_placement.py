@@ -61,7 +61,7 @@ def test_without_a_handler_on_the_stack_one_warning_names_attach(caplog):
 def test_attach_makes_metrics_reach_tensorboard_when_the_handler_cannot_be_found(tmp_path, monkeypatch, caplog):
     """A trainer whose handler the stack walk cannot find (simulated): plain `callbacks=[...]` leaves the
     metrics to the console and history only; `attach(trainer)` brings them to TensorBoard."""
-    monkeypatch.setattr(callback_module, "calling_handler", lambda callback: None)
+    monkeypatch.setattr(callback_module, "find_trainer_call", lambda callback: None)
     scalars = {}
     for arm in ("plain", "attached"):
         model = tiny_llama()

@@ -9,7 +9,8 @@ from support.tiny import tiny_llama
 from support.training import lm_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_cfp import CFPCallback
+import hf_cfp.integrations.callback as callback_module
+from hf_cfp import CFPCallback, CFPError
 
 
 class Crash(TrainerCallback):
@@ -23,7 +24,7 @@ class Crash(TrainerCallback):
             raise KeyboardInterrupt("simulated crash")
 
 
-def run(output_dir, extra=(), resume=None):
+def run(output_dir, extra=(), resume=None, args_overrides=None, **callback_kwargs):
     model = tiny_llama()
     anchors = dict(anchor=random_anchor(model, "math", seed=1), monitor=[random_anchor(model, "code", seed=2)])
     args = TrainingArguments(
@@ -38,34 +39,70 @@ def run(output_dir, extra=(), resume=None):
         logging_steps=1,
         seed=0,
         disable_tqdm=True,
+        **(args_overrides or {}),
     )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=lm_dataset(),
-        callbacks=[CFPCallback(lam=lambda step: 2.0 * step, **anchors), *extra],
-    )
+    cfp = CFPCallback(lam=lambda step: 2.0 * step, **anchors, **callback_kwargs)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
     trainer.train(resume_from_checkpoint=resume)
     return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history
 
 
-def test_resumed_run_is_bit_identical_to_the_uninterrupted_one(tmp_path):
-    straight, straight_logs = run(tmp_path / "straight")
+def max_gap(a, b):
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted run, and a run that crashed after saving checkpoint-4 (checkpoint-2 rotated away)."""
+    tmp = tmp_path_factory.mktemp("resume")
+    straight, straight_logs = run(tmp / "straight")
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "crashed", extra=[Crash(step=4)])
-    checkpoints = sorted(p.name for p in (tmp_path / "crashed").glob("checkpoint-*"))
+        run(tmp / "crashed", extra=[Crash(step=4)])
+    shutil.copytree(tmp / "crashed", tmp / "kept")  # resuming in "crashed" rotates checkpoint-4 away
+    return tmp, straight, straight_logs
+
+
+def test_checkpoint_holds_theta0_and_resume_true_is_bit_identical(runs):
+    tmp, straight, straight_logs = runs
+    checkpoints = sorted(p.name for p in (tmp / "crashed").glob("checkpoint-*"))
     assert checkpoints == ["checkpoint-4"]  # save_total_limit=1 rotated checkpoint-2 away
-    assert (tmp_path / "crashed" / "checkpoint-4" / "cfp_theta0.safetensors").is_file()
-
-    bare = tmp_path / "bare" / "checkpoint-4"  # the same checkpoint, as saved without CFPCallback
-    shutil.copytree(tmp_path / "crashed" / "checkpoint-4", bare)
-    (bare / "cfp_theta0.safetensors").unlink()
-
-    resumed, resumed_logs = run(tmp_path / "crashed", resume=True)
+    saved = sorted(p.name for p in (tmp / "crashed" / "checkpoint-4").glob("cfp_theta0*"))
+    assert saved == ["cfp_theta0-rank00000-of-00001.safetensors"]
+    resumed, resumed_logs = run(tmp / "crashed", resume=True)
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
     last = {k: v for k, v in straight_logs[-2].items() if k.startswith("cfp/")}
     assert len(last) == 5 and last == {k: resumed_logs[-2][k] for k in last}
 
-    # Without the saved theta0 the path restarts at the checkpoint's weights (with a warning): another run.
-    restarted, _ = run(tmp_path / "bare", resume=str(bare))
-    assert max((restarted[n] - straight[n]).abs().max().item() for n in straight) > 1e-4
+
+def test_a_checkpoint_moved_elsewhere_resumes_into_a_fresh_output_dir(runs):
+    """The theta0 comes from the checkpoint being resumed, not from output_dir/checkpoint-<step>."""
+    tmp, straight, _ = runs
+    moved = tmp / "another-machine" / "my-checkpoint"
+    shutil.copytree(tmp / "kept" / "checkpoint-4", moved)
+    resumed, _ = run(tmp / "fresh-output", resume=str(moved))
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+def test_args_resume_from_checkpoint_is_used_when_the_trainer_call_is_unknown(runs, monkeypatch):
+    """A trainer whose resume path the callback cannot read (simulated): TrainingArguments(
+    resume_from_checkpoint=...) names the checkpoint."""
+    tmp, straight, _ = runs
+    moved = tmp / "explicit" / "ckpt"
+    shutil.copytree(tmp / "kept" / "checkpoint-4", moved)
+    monkeypatch.setattr(callback_module, "find_trainer_call", lambda callback: None)
+    overrides = {"resume_from_checkpoint": str(moved)}
+    resumed, _ = run(tmp / "explicit-output", resume=str(moved), args_overrides=overrides)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+
+
+def test_a_checkpoint_without_theta0_is_an_error_unless_restarting_is_asked_for(runs):
+    tmp, straight, _ = runs
+    bare = tmp / "bare" / "checkpoint-4"  # the same checkpoint, as saved without CFPCallback
+    shutil.copytree(tmp / "kept" / "checkpoint-4", bare)
+    for saved in bare.glob("cfp_theta0*"):
+        saved.unlink()
+    with pytest.raises(CFPError, match="restart_path_on_resume=True"):
+        run(tmp / "bare-out", resume=str(bare))
+    # Opting in restarts the path at the checkpoint's weights: another run.
+    restarted, _ = run(tmp / "bare-out2", resume=str(bare), restart_path_on_resume=True)
+    assert max_gap(restarted, straight) > 1e-4
