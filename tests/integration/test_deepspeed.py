@@ -9,11 +9,27 @@ One launch of `tests/workers/deepspeed_worker.py` trains ZeRO-2, ZeRO-3 with the
 each checked against a single-process Trainer run of the same global batch: gathered parameters
 within 1e-5 while the callback's own effect is orders of magnitude larger, metrics the same on
 both processes and equal to the single-process ones.
+
+Resuming ZeRO-3 (every parameter partitioned): a new Trainer and callback resuming from a copy of
+the real checkpoint saved by the 2 processes end bit-identical to the uninterrupted run, resuming
+without its theta0 ends far away; that checkpoint's theta0 restores in this one process, and the
+theta0 saved by this process restores on the 2 processes' partitions, exactly.
 """
 
 import pytest
 import torch
-from support.distributed import ROWS, make_callback, make_model, run_worker, trainer_run
+from support.distributed import (
+    RESUME_STEP,
+    ROWS,
+    check_pieces_equal_initial,
+    initial_params,
+    make_callback,
+    make_model,
+    restored_in_one_process,
+    run_worker,
+    save_one_process_theta0,
+    trainer_run,
+)
 
 KEYS = (
     "cfp/math/sensitive_drift",
@@ -25,7 +41,9 @@ KEYS = (
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def worker_out(tmp_path_factory):
+    """The worker's output folder (rank<r>.pt, its checkpoints); before launching, this process saves
+    theta0 into one-process/ for the workers to restore."""
     # Imported here, not at collection: importing deepspeed takes seconds, and only this module needs it.
     pytest.importorskip(
         "deepspeed",
@@ -36,11 +54,17 @@ def ranks(tmp_path_factory):
     run = run_worker(
         "deepspeed_worker.py",
         out,
+        save_one_process_theta0(out / "one-process"),
         timeout=900,  # the first run builds a C++ extension
         env={"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true"},
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(worker_out):
+    return [torch.load(worker_out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def max_diff(a, b):
@@ -87,3 +111,37 @@ def test_zero3_equals_one_process_with_partition_sized_state(ranks, single, tag)
     owned = [r[f"{tag}_owned"] for r in ranks]
     assert sum(t0 for t0, _ in owned) == total and all(t0 == f for t0, f in owned), owned
     check_equal_to_one_process(ranks, single, tag)
+
+
+def test_zero3_resumes_from_a_moved_trainer_checkpoint_bit_identically(ranks):
+    """The same DeepSpeed engine code path before and after the checkpoint (fp32 master partitions and
+    optimizer state reloaded exactly), so the resumed run equals the uninterrupted one bit for bit."""
+    assert ranks[0]["zero3_saved_files"] == [f"cfp_theta0-rank{r:05d}-of-00002.safetensors" for r in range(2)]
+    for r in ranks:
+        straight = r["zero3_partitioned_params"]
+        resumed = max_diff(r["zero3_resumed_params"], straight)
+        restarted = max_diff(r["zero3_restarted_params"], straight)  # negative control: about 1.7e-2
+        assert resumed == 0 and restarted > 1e-3, (resumed, restarted)
+        for key in KEYS:
+            assert r["zero3_resumed_logs"][key] == r["zero3_partitioned_logs"][key], key
+            assert r["zero3_restarted_logs"][key] != r["zero3_partitioned_logs"][key], key
+    assert check_pieces_equal_initial([r["zero3_resumed_theta0"] for r in ranks]) > 0  # partition-sized pieces
+
+
+def test_zero3_restores_theta0_saved_by_one_process(ranks):
+    """Each process's partitions of theta0, read from the directory this process saved (full tensors),
+    equal its partitions of the initial weights exactly, though its weights have moved away."""
+    pieces = [r["zero3_read_one"] for r in ranks]
+    assert check_pieces_equal_initial(pieces) > 0
+    trained = ranks[0]["zero3_resumed_params"]
+    moved = max((trained[n].reshape(-1)[a:b] - t0).abs().max().item() for n, a, b, t0 in pieces[0] if b > a)
+    assert moved > 1e-3, moved
+
+
+def test_zero3_checkpoint_restores_in_one_process(worker_out):
+    """theta0 saved by the 2 ZeRO-3 processes (one file of partitions each), read here on a plain
+    model whose weights moved: the initial full weights, exactly."""
+    state = restored_in_one_process(worker_out / "zero3_partitioned" / f"checkpoint-{RESUME_STEP}")
+    initial = initial_params()
+    assert state.names == list(initial)
+    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))

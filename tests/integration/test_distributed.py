@@ -4,22 +4,41 @@ One launch of `tests/workers/distributed_worker.py` runs all modes (launching co
 parameters after STEPS steps must equal a single-process run of the same global batch (atol 1e-5),
 while the callback's own effect is orders of magnitude larger; the logged drift metrics must be
 the global values, the same on both processes, and match references computed here in float64.
+
+Resuming: in every mode a run interrupted after RESUME_STEP steps and resumed by a new callback
+from the theta0 saved by the 2 processes ends bit-identical to the uninterrupted 2-process run,
+while resuming without the saved theta0 ends far from it. Across process counts: the FSDP2/FSDP1
+runs resumed by 2 processes from theta0 saved by this one process, and a one-process run resumed
+here from theta0 saved by the 2 processes, end bit-identical to the uninterrupted run of the same
+process count; restored theta0 equals the initial weights piece by piece, exactly.
 """
 
 import math
+import re
+import shutil
 
 import pytest
 import torch
 from support.distributed import (
+    RESUME_STEP,
     ROWS,
+    Resume,
+    check_pieces_equal_initial,
+    initial_params,
     loop_run,
     make_callback,
     make_model,
     make_rows,
+    make_state,
     random_fisher,
+    restored_in_one_process,
     run_worker,
+    save_one_process_theta0,
     trainer_run,
 )
+
+from hf_cfp import CFPError
+from hf_cfp.protection import SavedTheta0
 
 KEYS = (
     "cfp/math/sensitive_drift",
@@ -30,12 +49,23 @@ KEYS = (
 )
 
 
+LOOP_MODES = ("fsdp2", "fsdp1", "fsdp1flat")
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def worker_out(tmp_path_factory):
+    """The worker's output folder: rank<r>.pt and the theta0 directories it saved. Before launching,
+    this process saves theta0 into one-process/ for the workers to restore."""
     out = tmp_path_factory.mktemp("distributed")
-    run = run_worker("distributed_worker.py", out)
+    one = save_one_process_theta0(out / "one-process")
+    run = run_worker("distributed_worker.py", out, one)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(worker_out):
+    return [torch.load(worker_out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 def reference_metrics(theta0, params):
@@ -141,3 +171,110 @@ def test_fsdp1_flat_params_equals_one_process(ranks):
     for name, p in theta0.items():  # F and theta0 per process: its piece only, the pieces cover p
         per_rank = [r["fsdp1flat_owned"][name] for r in ranks]
         assert all(f == t0 for f, t0 in per_rank) and sum(f for f, _ in per_rank) == p.numel(), (name, per_rank)
+
+
+def check_resumed(ranks, mode):
+    """The interrupted-and-resumed run of `mode` equals the uninterrupted 2-process run bit for bit
+    (parameters and logged drift metrics) and restored theta0 = the initial weights; the negative
+    control (resumed without theta0) ends measurably away. Returns (resumed gap, negative-control gap)."""
+    gaps = []
+    for r in ranks:
+        straight = r[f"{mode}_params"]
+        assert r[f"{mode}_resumed_params"].keys() == straight.keys()
+        gaps.append(
+            (max_diff(r[f"{mode}_resumed_params"], straight), max_diff(r[f"{mode}_restarted_params"], straight))
+        )
+        for key in KEYS:
+            assert r[f"{mode}_resumed_logs"][key] == r[f"{mode}_logs"][key], (mode, key)
+            assert r[f"{mode}_restarted_logs"][key] != r[f"{mode}_logs"][key], (mode, key)
+    resumed, restarted = max(g for g, _ in gaps), min(g for _, g in gaps)
+    assert resumed == 0 and restarted > 1e-3, (mode, gaps)  # negative control: about 1.7e-2 (DDP), 3.2e-2
+    return resumed, restarted
+
+
+def test_ddp_resumes_from_a_moved_trainer_checkpoint_bit_identically(ranks):
+    """A new Trainer and callback resume from a copy of checkpoint-RESUME_STEP into a fresh output_dir:
+    the same Trainer code path as the uninterrupted run (weights, optimizer, scheduler, RNG and theta0
+    reloaded exactly), so equal bit for bit."""
+    assert ranks[0]["ddp_saved_files"] == ["cfp_theta0-rank00000-of-00002.safetensors"]  # replicated: once
+    check_resumed(ranks, "ddp")
+    check_pieces_equal_initial([r["ddp_resumed_theta0"] for r in ranks], whole=True)
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_loop_layout_resumes_bit_identically(ranks, mode):
+    """Cut after RESUME_STEP steps, theta0 saved by both processes, resumed by a new callback on the
+    same model and optimizer: the same code path as the uninterrupted run, so equal bit for bit."""
+    assert ranks[0][f"{mode}_saved_files"] == [f"cfp_theta0-rank{r:05d}-of-00002.safetensors" for r in range(2)]
+    check_resumed(ranks, mode)
+    assert check_pieces_equal_initial([r[f"{mode}_resumed_theta0"] for r in ranks]) > 0  # sharded pieces
+    initial = initial_params()  # the negative control restarted theta0 at the step-2 weights
+    assert any(
+        not torch.equal(t0, initial[n].reshape(-1)[a:b]) for n, a, b, t0 in ranks[0][f"{mode}_restarted_theta0"]
+    )
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_two_processes_resume_from_a_one_process_checkpoint_bit_identically(ranks, mode):
+    """Resumed by the 2 processes from the theta0 this process saved (one file of full tensors): each
+    reads its pieces from it, and the run equals the uninterrupted 2-process run bit for bit."""
+    for r in ranks:
+        assert max_diff(r[f"{mode}_from_one_params"], r[f"{mode}_params"]) == 0, mode
+        for key in KEYS:
+            assert r[f"{mode}_from_one_logs"][key] == r[f"{mode}_logs"][key], (mode, key)
+    assert check_pieces_equal_initial([r[f"{mode}_from_one_theta0"] for r in ranks]) > 0
+
+
+@pytest.fixture(scope="module")
+def one_process_loop():
+    """(parameters, logs) of the uninterrupted one-process loop run."""
+    model = make_model()
+    logs = loop_run(model, make_callback(model), make_rows())
+    return {n: p.detach() for n, p in model.named_parameters()}, logs
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_one_process_resumes_from_a_two_process_checkpoint_bit_identically(ranks, worker_out, one_process_loop, mode):
+    """Resumed here, in one process, from the theta0 the 2 processes of `mode` saved (two files of
+    pieces): bit-identical to the uninterrupted one-process run, so within 1e-5 of the 2-process one."""
+    model = make_model()
+    resume = Resume(RESUME_STEP, worker_out / f"{mode}_resumed", make_callback(make_model()), save=False)
+    logs = loop_run(model, make_callback(model), make_rows(), resume)
+    resumed = {n: p.detach() for n, p in model.named_parameters()}
+    straight, straight_logs = one_process_loop
+    assert max_diff(resumed, straight) == 0, mode
+    assert all(logs[key] == straight_logs[key] for key in KEYS), mode
+    assert max_diff(resumed, ranks[0][f"{mode}_params"]) <= 1e-5, mode
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_theta0_saved_by_one_process_restores_under_two(ranks, mode):
+    """theta0 written by this process (full tensors, one file) and by FSDP2 (dim-0 shards, two files),
+    restored on the trained model of `mode`: each rank's pieces equal its pieces of the initial
+    weights exactly, though the weights it holds have moved away from them."""
+    for key in ("one", "fsdp2"):
+        pieces = [r[f"{mode}_read_{key}"] for r in ranks]
+        assert check_pieces_equal_initial(pieces) > 0, (mode, key)
+        trained = ranks[0][f"{mode}_resumed_params"]
+        moved = max((trained[n].reshape(-1)[a:b] - t0).abs().max().item() for n, a, b, t0 in pieces[0] if b > a)
+        assert moved > 1e-3, (mode, key, moved)  # not a snapshot of the current weights
+
+
+@pytest.mark.parametrize("mode", LOOP_MODES)
+def test_theta0_saved_by_two_processes_restores_in_one(worker_out, mode):
+    """The checkpoint saved by the 2 processes, read here on a plain model whose weights moved:
+    theta0 = the initial full weights, exactly."""
+    state = restored_in_one_process(worker_out / f"{mode}_resumed")
+    initial = initial_params()
+    assert state.names == list(initial) and not any(state.sharded)
+    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
+
+
+def test_a_checkpoint_missing_a_process_file_is_an_error_naming_the_parameter(worker_out, tmp_path):
+    """The FSDP2 checkpoint without rank 1's file, restored in one process: CFPError before training."""
+    partial = tmp_path / "checkpoint"
+    shutil.copytree(worker_out / "fsdp2_resumed", partial)
+    (partial / "cfp_theta0-rank00001-of-00002.safetensors").unlink()
+    first = next(iter(initial_params()))
+    with pytest.raises(CFPError, match=rf"does not cover parameter {re.escape(repr(first))} .*cfp_theta0-rank\*"):
+        make_state(make_model(), theta0=SavedTheta0(partial))

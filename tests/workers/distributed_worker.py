@@ -10,17 +10,43 @@ ROWS sequences evenly over the processes:
   (parameters are 1-D views of this process's piece of a FlatParameter, some empty), same loop.
   On CPU it needs `device_id=torch.device("cpu")` and `sync_module_states=False`.
 
+Resuming, for every layout: the uninterrupted run (DDP: saving a checkpoint every RESUME_STEP
+steps), a run interrupted after RESUME_STEP steps and resumed by a new callback from theta0 saved
+by these 2 processes (DDP: a new Trainer resuming from a copy of the real checkpoint, in a fresh
+output_dir; the loop layouts: `Resume`), and the negative control, resumed with
+`restart_path_on_resume=True` from a checkpoint without theta0. The loop layouts also resume from
+the directory `<one>` saved by the single test process, and restore theta0 through a CFPState from
+it and from the one saved by FSDP2 (another layout's pieces), recording each piece with its range.
+
 Each process saves what it saw to `<out>/rank<r>.pt`. The single-process references use the
 same helpers (`trainer_run`, `loop_run`: tests/support/distributed.py) in the test process.
 """
 
+import shutil
 import sys
+from functools import partial
+from pathlib import Path
 
 import torch
-from support.distributed import ROWS, loop_run, make_callback, make_model, make_rows, trainer_run
+from support.distributed import (
+    RESUME_STEP,
+    ROWS,
+    Resume,
+    held_theta0,
+    loop_run,
+    make_callback,
+    make_model,
+    make_rows,
+    make_state,
+    trainer_run,
+)
+
+from hf_cfp.protection import SavedTheta0
+
+RESUMES = (("resumed", False), ("restarted", True))  # DDP's (tag, restart_path_on_resume): resumed, negative control
 
 
-def main(out):
+def main(out, one):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -30,16 +56,27 @@ def main(out):
 
     # DDP through the Trainer (it initializes the gloo process group).
     model = make_model()
-    ddp_logs = trainer_run(model, [make_callback(model)], f"{out}/ddp", per_device_batch=ROWS // 2)
+    ddp_logs = trainer_run(
+        model, [make_callback(model)], f"{out}/ddp", per_device_batch=ROWS // 2, save_steps=RESUME_STEP
+    )
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ddp_resumes = ddp_resume_case(out, rank)
 
     # FSDP2: shard every decoder layer and the root; this process trains on its share of the rows.
-    model = make_model()
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+
+    def fsdp2_model():
+        model = make_model()
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+
+    def fsdp2_params(model):
+        return {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+
+    model = fsdp2_model()
     callback = make_callback(model)
     fsdp_logs = loop_run(model, callback, make_rows()[rank::world])
     cfp = callback.protection
@@ -50,15 +87,67 @@ def main(out):
     results = {
         "ddp_logs": ddp_logs,
         "ddp_params": ddp_params,
+        **ddp_resumes,
         "fsdp2_logs": fsdp_logs,
-        "fsdp2_params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
+        "fsdp2_params": fsdp2_params(model),
         "fsdp2_all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
         "fsdp2_all_sharded": all(cfp.sharded),
         "fsdp2_owned": owned,
     }
-    results.update(fsdp1_case(rank, world))
+    reads = {"one": Path(one), "fsdp2": Path(out, "fsdp2_resumed")}  # theta0 saved by 1 process, by FSDP2
+    results.update(loop_resume_case("fsdp2", fsdp2_model, fsdp2_params, out, rank, world, reads))
+    results.update(fsdp1_case(rank, world, out, reads))
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def ddp_resume_case(out, rank):
+    """DDP resumed by a new Trainer and callback from a copy of checkpoint-RESUME_STEP (fresh output_dir),
+    and the negative control: the same copy without theta0, restart_path_on_resume=True."""
+    import torch.distributed as dist
+
+    saved = Path(out, "ddp", f"checkpoint-{RESUME_STEP}")
+    results = {"ddp_saved_files": sorted(p.name for p in saved.glob("cfp_theta0*"))}
+    for tag, restart in RESUMES:
+        moved = Path(out, f"ddp_{tag}_copy", "my-checkpoint")
+        if rank == 0:
+            shutil.copytree(saved, moved)
+            for theta0_file in moved.glob("cfp_theta0*") if restart else ():
+                theta0_file.unlink()
+        dist.barrier()
+        model = make_model()
+        callback = make_callback(model, restart_path_on_resume=restart)
+        results[f"ddp_{tag}_logs"] = trainer_run(
+            model, [callback], f"{out}/ddp_{tag}", per_device_batch=ROWS // 2, resume=str(moved)
+        )
+        results[f"ddp_{tag}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results[f"ddp_{tag}_theta0"] = held_theta0(callback.protection)
+    return results
+
+
+def loop_resume_case(mode, build, gather, out, rank, world, reads):
+    """`mode` (a loop-driven layout) cut after RESUME_STEP steps and resumed by a new callback: from the
+    theta0 these processes saved into <out>/<mode>_resumed ("resumed"), from the theta0 saved by one
+    process ("from_one"), and the negative control: no theta0 saved, restart_path_on_resume=True
+    ("restarted"). Then, on the resumed model (its weights far from theta0), theta0 restored from
+    each directory of `reads` through a CFPState: `<mode>_read_<key>` = held_theta0 pieces."""
+    results = {}
+    variants = (  # (tag, checkpoint, save theta0 there, restart_path_on_resume); the resumed model last
+        ("restarted", Path(out, f"{mode}_restarted"), False, True),
+        ("from_one", reads["one"], False, False),
+        ("resumed", Path(out, f"{mode}_resumed"), True, False),
+    )
+    for tag, checkpoint, save, restart in variants:
+        model = build()
+        new = make_callback(make_model(), restart_path_on_resume=restart)
+        resume = Resume(RESUME_STEP, checkpoint, new, save)
+        results[f"{mode}_{tag}_logs"] = loop_run(model, make_callback(make_model()), make_rows()[rank::world], resume)
+        results[f"{mode}_{tag}_theta0"] = held_theta0(new.protection)
+        results[f"{mode}_{tag}_params"] = gather(model)
+    results[f"{mode}_saved_files"] = sorted(p.name for p in Path(out, f"{mode}_resumed").glob("cfp_theta0*"))
+    for key, directory in reads.items():
+        results[f"{mode}_read_{key}"] = held_theta0(make_state(model, theta0=SavedTheta0(directory)))
+    return results
 
 
 def fsdp1_wrap(use_orig_params):
@@ -75,8 +164,9 @@ def fsdp1_wrap(use_orig_params):
     )
 
 
-def fsdp1_case(rank, world):
-    """FSDP1 trained with the callback, with use_orig_params=True and with flat parameters (False)."""
+def fsdp1_case(rank, world, out, reads):
+    """FSDP1 trained with the callback, with use_orig_params=True and with flat parameters (False),
+    each also interrupted and resumed (`loop_resume_case`)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp._flat_param import FlatParameter
 
@@ -116,7 +206,17 @@ def fsdp1_case(rank, world):
     }
     with FullyShardedDataParallel.summon_full_params(flat):
         flat_params = {canonical_name(n): p.detach().clone() for n, p in flat.named_parameters()}
+
+    def full_params(model):
+        with FullyShardedDataParallel.summon_full_params(model):
+            return {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+
+    resumes = {}
+    for mode, use_orig_params in (("fsdp1", True), ("fsdp1flat", False)):
+        build = partial(fsdp1_wrap, use_orig_params)
+        resumes.update(loop_resume_case(mode, build, full_params, out, rank, world, reads))
     return {
+        **resumes,
         "fsdp1_logs": logs,
         "fsdp1_params": params,
         "fsdp1_active": active,
@@ -132,4 +232,4 @@ def fsdp1_case(rank, world):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])
