@@ -70,6 +70,24 @@ def ref_total(model, theta0, names):
     return math.sqrt(sum(float((d[n] ** 2).sum()) for n in names))
 
 
+# The logged metrics are float32 sums: theta - theta0 in float32 (relative error <= 2^-24 per coordinate),
+# then a float32 norm per tensor (at most a few thousand terms here; the float64 squares of those norms
+# are added). The differences seen against the float64 references are 2e-8 to 5e-8 of the value, so
+# rel = 1e-5 leaves a 200x margin. Taking a monitor's free-drift threshold from another anchor's F
+# moved its free drift by 3e-3 (DPO) and 6e-4 (GRPO) of its value.
+METRIC_REL = 1e-5
+
+
+def assert_monitor_matches_reference(logged, model, theta0, monitor_fisher):
+    """The monitor anchor's logged sensitive and free drift against the float64 references."""
+    refs = {MON_SENS: ref_sensitive(model, theta0, monitor_fisher), MON_FREE: ref_free(model, theta0, monitor_fisher)}
+    for key, ref in refs.items():
+        print(f"{key}: logged {logged[key]!r}, float64 {ref!r}, relative difference {logged[key] / ref - 1:+.2e}")
+        assert logged[key] == pytest.approx(ref, rel=METRIC_REL), (key, logged[key], ref)
+    # the free 99% leave the monitor's largest F out: below its drift over all its coordinates
+    assert 0 < refs[MON_FREE] < ref_total(model, theta0, list(monitor_fisher))
+
+
 def loss_logs(trainer):
     return [h for h in trainer.state.log_history if "loss" in h]
 
@@ -292,7 +310,7 @@ def test_dpo_trainer_correction_acts_and_metrics_logged(tmp_path, monkeypatch):
     assert last[SENS] == pytest.approx(ref_sensitive(model, theta0, fisher), rel=1e-5)
     assert last[FREE] == pytest.approx(ref_free(model, theta0, fisher), rel=1e-5)
     assert last[TOTAL] == pytest.approx(ref_total(model, theta0, list(fisher)), rel=1e-5)
-    assert last[MON_SENS] == pytest.approx(ref_sensitive(model, theta0, monitor_fisher), rel=1e-5)
+    assert_monitor_matches_reference(last, model, theta0, monitor_fisher)
     scalars = read_scalars(tb_dir)
     loss_steps = [s for s, _ in scalars["train/loss"]]
     assert loss_steps == [1, 2, 3]
@@ -372,7 +390,7 @@ def test_grpo_trainer_logs_metrics_to_tensorboard(tmp_path, monkeypatch):
     assert last[SENS] == pytest.approx(ref_sensitive(model, theta0, fisher), rel=1e-5)
     assert last[FREE] == pytest.approx(ref_free(model, theta0, fisher), rel=1e-5)
     assert last[TOTAL] == pytest.approx(ref_total(model, theta0, list(fisher)), rel=1e-5)
-    assert last[MON_SENS] == pytest.approx(ref_sensitive(model, theta0, monitor_fisher), rel=1e-5)
+    assert_monitor_matches_reference(last, model, theta0, monitor_fisher)
     assert last[TOTAL] > 0, "the rewards gave no signal: nothing moved"
 
     scalars = read_scalars(tb_dir)

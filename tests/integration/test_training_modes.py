@@ -265,6 +265,24 @@ def test_parameters_added_in_a_plain_loop_are_refused():
         callback.on_step_end(None, at_step(2), None, optimizer=optimizer)
 
 
+class MoveFrozenAfterBind(TrainerCallback):
+    """Before the first step, after CFP took theta0 at train begin, shifts every frozen parameter by
+    `shift`: a frozen parameter then sits away from its theta0, so pulling it toward theta0 would
+    change it (at theta0 the pull is a no-op, and a test of 'left alone' could not fail)."""
+
+    def __init__(self, cfp, shift=0.5):
+        self.cfp, self.shift, self.moved = cfp, shift, None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 0:
+            assert self.cfp.protection is not None, "CFP binds at train begin, before the first step"
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.add_(self.shift)
+            self.moved = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
 def test_frozen_parameters_stay_bit_identical(tmp_path):
     model = tiny_llama()
     anchor = random_anchor(model)  # covers frozen parameters too: they must be skipped, not pulled
@@ -273,7 +291,20 @@ def test_frozen_parameters_stay_bit_identical(tmp_path):
     theta0 = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert len(frozen) == 9
-    final = train(model, [CFPCallback(anchor, lam=10.0)], tmp_path)
-    assert all(torch.equal(final[n], theta0[n]) for n in frozen)
+    cfp = CFPCallback(anchor, lam=10.0)
+    mover = MoveFrozenAfterBind(cfp)
+    final = train(model, [cfp, mover], tmp_path)
+    assert mover.moved is not None and set(mover.moved) == frozen
+    # away from theta0 wherever F > 0, where a pull toward theta0 (lam F = 10 F) would move them
+    for n in frozen:
+        away = (mover.moved[n] != theta0[n]) & (anchor.fisher[n] > 0)
+        assert away.sum() > 0.5 * away.numel(), n
+    # left alone after the shift: name -> how far a frozen parameter moved (none may)
+    pulled = {
+        n: (final[n] - mover.moved[n]).abs().max().item() for n in frozen if not torch.equal(final[n], mover.moved[n])
+    }
+    assert not pulled, pulled
     moved = [n for n in final if n not in frozen and not torch.equal(final[n], theta0[n])]
     assert len(moved) == len(final) - len(frozen)  # every trainable tensor moved
+    # the metrics cover the trainable parameters only: the shifted frozen ones add nothing
+    assert set(cfp.protection.names) == set(final) - frozen

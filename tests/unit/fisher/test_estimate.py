@@ -187,6 +187,47 @@ def test_empirical_fisher_is_mean_squared_label_score_and_differs_from_on_policy
         assert corr < 0.85
 
 
+@pytest.mark.parametrize("engine", ["batched", "loop"])
+def test_squares_each_sequence_score_not_the_batch_sum(engine):
+    """F = (1/N) sum_b g_b^2 with g_b one sequence's score. On-policy, (sum_b g_b)^2 has the same
+    expectation (the cross terms g_b g_c vanish), so the enumeration tests cannot tell the two apart;
+    on fixed responses scored in one batch they differ coordinate by coordinate. The reference is a
+    plain loop over the sequences, one torch.autograd.grad each (`ref_sequence_score`). Tokens are
+    shared between sequences, so that embedding rows get several sequences' scores too."""
+    model = tiny_llama(vocab_size=24, seed=5)
+    prompts = [[1, 2, 3], [4, 2], [6, 7, 3, 9]]
+    responses = [[10, 11, 12], [13, 11], [12, 16, 10, 11]]
+    anchor = estimate_fisher(
+        model,
+        None,
+        prompts,
+        num_sequences=3,
+        batch_size=3,  # the three sequences in one batch: one call of the engine
+        max_new_tokens=4,
+        estimator="empirical",
+        responses=responses,
+        engine=engine,
+        show_progress=False,
+    )
+    scores = [ref_sequence_score(model, p, r) for p, r in zip(prompts, responses, strict=True)]
+    names = [n for n, _ in model.named_parameters()]
+    per_sequence = {n: sum(g[i] ** 2 for g in scores) / 3 for i, n in enumerate(names)}
+    batch_sum = {n: sum(g[i] for g in scores) ** 2 / 3 for i, n in enumerate(names)}  # (sum_b g_b)^2 / N
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+
+    # the test can tell them apart in every tensor (also were the batch sum divided by B once more)
+    gap = min(rel(w, per_sequence[n]) for n in names for w in (batch_sum[n], batch_sum[n] / 3))
+    error = max(rel(anchor.fisher[n].double(), per_sequence[n]) for n in names)
+    print(f"{engine}: max relative L2 error per tensor {error:.2e}; the batch sum squared: >= {gap:.2f} away")
+    assert gap > 0.25
+    assert error < 1e-5  # float32 accumulation of float32 scores: ~3e-7 seen
+    for name in names:
+        ref = per_sequence[name]
+        torch.testing.assert_close(anchor.fisher[name].double(), ref, rtol=1e-5, atol=1e-7 * float(ref.max()))
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. The token estimator, the engines and the prompt schedule
 # ----------------------------------------------------------------------------------------------
