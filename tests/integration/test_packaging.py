@@ -6,6 +6,7 @@ transformers, ...), so `import hf_cfp` there resolves to the wheel, not to the e
 """
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -60,13 +61,28 @@ def test_wheel_in_a_clean_venv_renders_the_model_card(wheel, tmp_path):
         ).stdout.strip()
     )
     (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    clean_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # nothing but the venv's own paths
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--no-deps",
+            "--ignore-installed",
+            "-q",
+            str(wheel),
+        ],
         check=True,
         capture_output=True,
         timeout=300,
+        env=clean_env,
     )
-    result = subprocess.run([python, "-c", RENDER], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = subprocess.run(
+        [python, "-c", RENDER], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=clean_env
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     shown = json.loads(result.stdout.strip().splitlines()[-1])
     assert Path(shown["file"]).is_relative_to(env_dir)  # the wheel, not the checkout
