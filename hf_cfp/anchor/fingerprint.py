@@ -134,8 +134,17 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     return problems
 
 
-def check_fingerprint(expected: dict | None, model: torch.nn.Module, anchor_name: str, strict: bool = True) -> None:
+def check_fingerprint(
+    expected: dict | None,
+    model: torch.nn.Module,
+    anchor_name: str,
+    strict: bool = True,
+    parameters: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Check that `model` is the base model whose fingerprint (`model_fingerprint`) is `expected`.
+
+    `parameters` (name -> tensor) replaces `model`'s own named parameters when the base model sits behind
+    other names: a PeftModel's base weights under the base model's names (`protection.peft_adapters`).
 
     Compares the parameter count, the names/dtypes/shapes and the first 1 MiB of the sampled tensors.
     On a difference raise AnchorMismatchError saying what differs and what to do; with strict=False
@@ -143,7 +152,7 @@ def check_fingerprint(expected: dict | None, model: torch.nn.Module, anchor_name
     """
     if not expected:
         return
-    problems = _differences(expected, _parameters(model))
+    problems = _differences(expected, _parameters(model) if parameters is None else parameters)
     if not problems:
         return
     message = (

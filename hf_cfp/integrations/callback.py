@@ -13,7 +13,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..anchor import check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, SavedTheta0, has_saved_theta0, save_theta0
+from ..protection import LORA_CORRECTION_MISSING, CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
 from .reporting import add_to_step_log, find_trainer_call, move_before_reporters
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 
@@ -37,6 +37,10 @@ class CFPCallback(TrainerCallback):
     ||theta - theta0|| over the `free_fraction` of coordinates with the smallest F, and `cfp/total_drift` =
     ||theta - theta0||. They reach every logger in `report_to` and `state.log_history`: at train begin the
     callback places itself before the reporting callbacks; [`~CFPCallback.attach`] does the same explicitly.
+
+    On a `peft.PeftModel` (LoRA) the anchor is keyed by the base model's names, and the metrics are those of the
+    merged weights against the base weights (theta - theta0 = s B A - s0 B0 A0 on adapted weights). The correction
+    of LoRA factors is not implemented yet: an anchor covering LoRA-adapted weights needs `lam=0`.
 
     Args:
         anchor ([`FisherAnchor`], `str` or `os.PathLike`):
@@ -140,9 +144,17 @@ class CFPCallback(TrainerCallback):
             if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
                 theta0 = self._saved_theta0(args, state, call.resume_from_checkpoint if call else None)
             else:
+                view = peft_view(model)  # a PeftModel is checked through its base model's names and weights
                 for bound in (anchor, *self.monitors):
-                    check_fingerprint(bound.metadata.get("base_fingerprint"), model, bound.name, self.strict)
-            self.protection = CFPState(model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0)
+                    fingerprint = bound.metadata.get("base_fingerprint")
+                    check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
+            protection = CFPState(model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0)
+            if protection.protects_adapters and (callable(self.lam) or self.lam > 0):
+                raise CFPError(
+                    f"CFPCallback(lam={self.lam!r}): anchor {anchor.name!r} covers LoRA-adapted weights, and "
+                    f"{LORA_CORRECTION_MISSING}."
+                )
+            self.protection = protection
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if self._attached:
             return

@@ -6,6 +6,16 @@ Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom 
 
 from .binding import BoundTensor, bind_anchor
 from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
+from .peft_adapters import LORA_CORRECTION_MISSING, peft_view
 from .state import CFPState
 
-__all__ = ["BoundTensor", "CFPState", "SavedTheta0", "bind_anchor", "has_saved_theta0", "save_theta0"]
+__all__ = [
+    "LORA_CORRECTION_MISSING",
+    "BoundTensor",
+    "CFPState",
+    "SavedTheta0",
+    "bind_anchor",
+    "has_saved_theta0",
+    "peft_view",
+    "save_theta0",
+]

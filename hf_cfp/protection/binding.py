@@ -40,8 +40,13 @@ class BoundTensor:
     held: HeldRange  # which elements of the full parameter this process holds
 
 
-def bind_anchor(anchor: FisherAnchor, model: torch.nn.Module) -> list[BoundTensor]:
+def bind_anchor(
+    anchor: FisherAnchor, model: torch.nn.Module, names: dict[str, torch.Tensor] | None = None
+) -> list[BoundTensor]:
     """Match every tensor of `anchor.fisher` to a parameter of `model` by canonical name.
+
+    `names` adds names -> parameters the model does not give itself: a PeftModel's base-model names
+    (`peft_adapters.PeftView.params`), which take precedence.
 
     Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs.
     A tied parameter is bound once, under the first of its names found in the anchor. Frozen
@@ -53,6 +58,8 @@ def bind_anchor(anchor: FisherAnchor, model: torch.nn.Module) -> list[BoundTenso
         by_name.setdefault(canonical_name(alias), parameter)
     flat_views, pieces = held_pieces(model)
     by_name.update(flat_views)
+    if names:
+        by_name = {**names, **{n: p for n, p in by_name.items() if n not in names}}
     bound: list[BoundTensor] = []
     seen: set[int] = set()
     frozen: list[str] = []

@@ -12,10 +12,12 @@ from typing import Protocol
 import torch
 
 from ..anchor import FisherAnchor
+from ..errors import CFPError
 from ..ops import PullWeights, apply_correction, free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
 from .binding import HeldRange, bind_anchor
+from .peft_adapters import LORA_CORRECTION_MISSING, AdaptedWeight, adapted_drift_sq, peft_view
 
 
 class Theta0Reader(Protocol):
@@ -47,6 +49,11 @@ class CFPState:
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
     `theta0` (a `Theta0Reader`, such as `checkpoint.SavedTheta0`) restores a saved theta0 instead of
     snapshotting the current weights: resuming from a checkpoint, with any number of processes.
+
+    On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base
+    parameters (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is
+    measured by its merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`). Those cannot be corrected yet:
+    `correct(lam > 0)` raises CFPError when the protecting anchor covers one (`protects_adapters`).
     """
 
     def __init__(
@@ -59,7 +66,26 @@ class CFPState:
         theta0: "Theta0Reader | None" = None,
     ):
         self.model = model
-        bound = {a.name: bind_anchor(a, model) for a in (anchor, *monitors)}
+        view = peft_view(model)
+        bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in (anchor, *monitors)}
+        # LoRA-adapted base weights covered by any anchor, each once; anchor name -> {index: local F}
+        self.adapted: list[AdaptedWeight] = []
+        adapted_fisher: dict[str, dict[int, torch.Tensor]] = {}
+        for a in (anchor, *monitors):
+            adapted_fisher[a.name] = {}
+            for name, weight in (view.adapted if view else {}).items():
+                if name in a.fisher:
+                    if weight not in self.adapted:
+                        self.adapted.append(weight)
+                    device = weight.snapshot[0][1].device
+                    adapted_fisher[a.name][self.adapted.index(weight)] = a.fisher[name].to(device, torch.float32)
+        self.protects_adapters = bool(adapted_fisher[anchor.name])
+        if self.adapted and theta0 is not None:
+            raise CFPError(
+                "Resuming a run whose anchors cover LoRA-adapted weights is not supported yet: the LoRA factors at "
+                "train begin (the origin of the measured path) are not saved in checkpoints. Pass "
+                "CFPCallback(..., restart_path_on_resume=True) to measure from the resumed weights instead."
+            )
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
@@ -79,15 +105,23 @@ class CFPState:
             saved = theta0.read(list(zip(self.names, self.held, strict=True)))
             for name, local in zip(self.names, self.theta0, strict=True):
                 local.copy_(saved[name].reshape(local.shape))
-        # anchor name -> (indices into params, local F, free-drift threshold from the anchor's full F)
-        self.views = {
-            name: (
-                [index[id(t.param)] for t in tensors],
-                [t.fisher for t in tensors],
-                free_threshold([full_fisher[name][t.name] for t in tensors], free_fraction) if tensors else math.inf,
+        # anchor name -> (indices into params, local F, free-drift threshold from the anchor's full F over
+        # every covered parameter that can move: trainable ones and LoRA-adapted ones)
+        thresholds = {
+            name: free_threshold(
+                [full_fisher[name][t.name] for t in tensors]
+                + [full_fisher[name][self.adapted[i].name] for i in adapted_fisher[name]],
+                free_fraction,
             )
+            if tensors or adapted_fisher[name]
+            else math.inf
             for name, tensors in bound.items()
         }
+        self.views = {
+            name: ([index[id(t.param)] for t in tensors], [t.fisher for t in tensors], thresholds[name])
+            for name, tensors in bound.items()
+        }
+        self.adapted_views = {name: (adapted_fisher[name], thresholds[name]) for name in bound}
         groups: defaultdict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
         for t in bound[anchor.name]:
             group_params, group_theta0, group_fisher = groups[(t.param.device, t.param.dtype)]
@@ -109,6 +143,10 @@ class CFPState:
         """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter."""
         if lam == 0:
             return
+        if self.protects_adapters:
+            raise CFPError(
+                f"lam={lam} on a model whose protecting anchor covers LoRA-adapted weights: {LORA_CORRECTION_MISSING}."
+            )
         for group in self.groups:
             group.correct(lam)
         if self.master is not None:
@@ -123,7 +161,8 @@ class CFPState:
         Every process returns the same, global values; with sharded parameters every process must
         call this (one collective).
         """
-        deltas = torch._foreach_sub([local_tensor(p).detach().float() for p in self.params], self.theta0)
+        current = [local_tensor(p).detach().float() for p in self.params]
+        deltas = torch._foreach_sub(current, self.theta0) if current else []  # none: a LoRA run's adapters only
         squares: defaultdict[str, list[float]] = defaultdict(list)  # metric -> [S replicated, S of local shards]
         for sharded in (False, True):
             for name, (indices, fisher, threshold) in self.views.items():
@@ -134,6 +173,9 @@ class CFPState:
             squares["cfp/total_drift"].append(
                 total_drift_sq([d for d, s in zip(deltas, self.sharded, strict=True) if s == sharded])
             )
+        if self.adapted:  # LoRA-adapted weights (not sharded): replicated sums
+            for key, value in adapted_drift_sq(self.adapted, self.adapted_views).items():
+                squares[key][0] += value
         shard_sums = torch.tensor([s for _, s in squares.values()], dtype=torch.float64)
         if any(self.sharded):
             shard_sums = shard_sums.to(self.theta0[self.sharded.index(True)].device)

@@ -1,0 +1,197 @@
+"""A base-model anchor on a `peft.PeftModel` (LoRA): PEFT's names mapped to the base model's, drift in base space.
+
+An anchor is keyed by the base model's names (`model.layers.0.self_attn.q_proj.weight`). Wrapped by PEFT, the
+weight standing at that name is one of:
+
+- adapted: the frozen base weight W0 behind a LoRA layer (`...q_proj.base_layer.weight`). It moves in the
+  merged model by Delta_W = sum over active adapters a of s_a B_a A_a, minus that sum at bind (s B0 A0: zero
+  for PEFT's default init, nonzero for PiSSA / OLoRA / LoftQ), transposed when `fan_in_fan_out`;
+- trained in place: a `modules_to_save` copy (`...lm_head.modules_to_save.default.weight`) or a base parameter
+  left trainable (a bias with `bias="all"`): an ordinary parameter, bound as on a full model;
+- frozen and unadapted: it cannot move, and is ignored as on a full model.
+
+So the drift measured on a PeftModel is that of `merge_and_unload()` against the base weights. The CFP
+correction of LoRA factors is not implemented: protecting an adapted weight with lam > 0 is refused.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from peft import PeftModel, PeftType
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import ModulesToSaveWrapper
+from peft.utils.other import AuxiliaryTrainingWrapper
+from torch.distributed.tensor import DTensor
+
+from ..errors import CFPError
+from ..ops import free_drift_sq, sensitive_drift_sq, total_drift_sq
+
+LORA_CORRECTION_MISSING = (
+    "the CFP correction for LoRA adapters is not implemented yet; use lam=0 to measure a LoRA run in "
+    "base-weight space, or train the full model"
+)
+
+
+@dataclass(eq=False)
+class AdaptedWeight:
+    """The frozen base weight W0 of one LoRA `Linear` layer and the snapshot of its LoRA update at bind.
+
+    `displacement()` = sum_a s_a B_a A_a - sum_a s0_a B0_a A0_a (transposed when `fan_in_fan_out`), float32:
+    the merged weight minus its value at bind.
+    """
+
+    name: str  # the base model's name of W0
+    layer: LoraLinear
+    adapters: tuple[str, ...]
+    snapshot: list[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (s0, B0, A0) each
+
+    def __post_init__(self) -> None:
+        self.snapshot = [(s, b.clone(), a.clone()) for s, b, a in self._factors()]
+
+    def _factors(self) -> list[tuple[float, torch.Tensor, torch.Tensor]]:
+        return [
+            (float(self.layer.scaling[a]), _weight(self.layer.lora_B, a), _weight(self.layer.lora_A, a))
+            for a in self.adapters
+        ]
+
+    @torch.no_grad()
+    def displacement(self) -> torch.Tensor:
+        """Delta_W = sum_a (s_a B_a A_a - s0_a B0_a A0_a), shaped like W0, float32 (one layer at a time)."""
+        b0, a0 = self.snapshot[0][1:]
+        delta = torch.zeros(b0.shape[0], a0.shape[1], device=b0.device)
+        for (s, b, a), (s0, b0, a0) in zip(self._factors(), self.snapshot, strict=True):
+            delta.addmm_(b, a, alpha=s).addmm_(b0, a0, alpha=-s0)
+        return delta.T if self.layer.fan_in_fan_out else delta
+
+
+def _weight(modules: torch.nn.ModuleDict, adapter: str) -> torch.Tensor:
+    """`modules[adapter].weight` (a LoRA factor), detached, float32."""
+    weight = modules[adapter].weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.detach().float()
+
+
+@dataclass
+class PeftView:
+    """A PeftModel seen through the base model's names.
+
+    `params`: name -> the tensor standing there in the merged model (a `modules_to_save` copy, else the base
+    parameter; frozen ones included); `base`: name -> the base model's own tensor (the fingerprint's view);
+    `adapted`: name -> the LoRA-adapted base weights.
+    """
+
+    params: dict[str, torch.Tensor]
+    base: dict[str, torch.Tensor]
+    adapted: dict[str, AdaptedWeight]
+
+
+def find_peft_model(model: torch.nn.Module) -> PeftModel | None:
+    """The PeftModel that is `model` or that a wrapper (DDP, torch.compile) holds; None if there is none."""
+    return next((m for m in model.modules() if isinstance(m, PeftModel)), None)
+
+
+def peft_view(model: torch.nn.Module) -> PeftView | None:
+    """`model` seen through its base model's names (`PeftModel.get_base_model()`), or None for a non-PEFT model.
+
+    Raises CFPError for adapter types other than LoRA (naming the type), for LoRA variants (DoRA...), for LoRA
+    on layers other than `Linear`, for adapters merged into the base weights, and for sharded LoRA factors.
+    """
+    peft_model = find_peft_model(model)
+    if peft_model is None:
+        return None
+    for adapter in peft_model.active_adapters:
+        peft_type = peft_model.peft_config[adapter].peft_type
+        if peft_type != PeftType.LORA:
+            kind = getattr(peft_type, "value", peft_type)
+            raise CFPError(
+                f"CFP supports LoRA adapters only; adapter {adapter!r} is of type {kind}. Merge it "
+                "(merge_and_unload()) and train the full model, or use a LoRA adapter."
+            )
+    view = PeftView({}, {}, {})
+    _walk(peft_model.get_base_model(), "", view, set())
+    return view
+
+
+def _walk(module: torch.nn.Module, prefix: str, view: PeftView, seen: set[int]) -> None:
+    """Fill `view` with the parameters of `module` (named under `prefix`), tied parameters once."""
+
+    def add(name: str, base: torch.Tensor, standing: torch.Tensor) -> None:
+        if id(base) not in seen:
+            seen.add(id(base))
+            view.base[name], view.params[name] = base, standing
+
+    if isinstance(module, LoraLayer):
+        adapted = _adapted(module, prefix)
+        for name, param in module.get_base_layer().named_parameters():
+            add(prefix + name, param, param)
+        if adapted is not None:
+            view.adapted[adapted.name] = adapted
+        return
+    if isinstance(module, ModulesToSaveWrapper):
+        (active,) = module.active_adapters  # PEFT trains one modules_to_save copy at a time
+        trained = dict(module.modules_to_save[active].named_parameters())
+        for name, param in module.original_module.named_parameters():
+            add(prefix + name, param, trained[name])
+        return
+    if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+        raise CFPError(
+            f"CFP supports LoRA adapters only; module {prefix.rstrip('.')!r} is a {type(module).__name__}. Merge "
+            "the adapter (merge_and_unload()) and train the full model, or use a LoRA adapter."
+        )
+    for name, param in module.named_parameters(recurse=False):
+        add(prefix + name, param, param)
+    for name, child in module.named_children():
+        _walk(child, f"{prefix}{name}.", view, seen)
+
+
+def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
+    """The LoRA-adapted weight of `layer` (None when no active adapter sits on it), or CFPError if unsupported."""
+    adapters = tuple(a for a in layer.active_adapters if a in layer.lora_A)
+    name = prefix + "weight"
+    if not adapters:
+        return None
+    what = None
+    if any(layer.use_dora.get(a, False) for a in adapters):
+        what = "uses DoRA (its magnitude vector rescales the merged weight)"
+    elif any(getattr(layer, "lora_variant", {}).get(a) is not None for a in adapters):
+        what = "uses a LoRA variant"
+    elif not isinstance(layer, LoraLinear):
+        what = f"is a LoRA {type(layer).__name__} layer (only Linear is supported)"
+    elif layer.merged:
+        what = "has its adapter merged into the base weight"
+    elif layer.get_base_layer().weight.requires_grad:
+        what = "trains its base weight as well as the adapter"
+    elif any(
+        isinstance(layer.lora_A[a].weight, DTensor) or hasattr(layer.lora_A[a].weight, "ds_id") for a in adapters
+    ):
+        what = "has sharded LoRA factors (FSDP / ZeRO-3)"
+    if what is not None:
+        raise CFPError(
+            f"CFP cannot measure the LoRA-adapted weight {name!r}: it {what}. Supported: plain LoRA on Linear "
+            "layers (rsLoRA, PiSSA/OLoRA-style inits included), unmerged, not sharded."
+        )
+    assert isinstance(layer, LoraLinear)
+    return AdaptedWeight(name, layer, adapters)
+
+
+def adapted_drift_sq(
+    adapted: list[AdaptedWeight], covered: dict[str, tuple[dict[int, torch.Tensor], float]]
+) -> dict[str, float]:
+    """Sums of squares of the drift metrics over the adapted weights, one weight's Delta_W at a time.
+
+    `covered`: anchor name -> ({index into `adapted`: its F}, free threshold). Returns
+    `cfp/<anchor>/sensitive_drift`: sum F Delta_W^2, `cfp/<anchor>/free_drift`: sum of Delta_W^2 where
+    F <= threshold, and `cfp/total_drift`: sum Delta_W^2 (each weight once), all squared.
+    """
+    sums = {f"cfp/{name}/{kind}": 0.0 for name in covered for kind in ("sensitive_drift", "free_drift")}
+    sums["cfp/total_drift"] = 0.0
+    for i, weight in enumerate(adapted):
+        delta = [weight.displacement()]
+        sums["cfp/total_drift"] += total_drift_sq(delta)
+        for name, (fishers, threshold) in covered.items():
+            if i in fishers:
+                sums[f"cfp/{name}/sensitive_drift"] += sensitive_drift_sq(delta, [fishers[i]])
+                sums[f"cfp/{name}/free_drift"] += free_drift_sq(delta, [fishers[i]], threshold)
+    return sums

@@ -1,0 +1,225 @@
+"""A base-model anchor on a PEFT LoRA model: names mapped through PEFT, drift measured in base-weight space.
+
+The reference is written here in float64: `merge_and_unload()` of a deep copy, minus the base weights, with
+the anchor's F; the free threshold is the k-th smallest F (k = ceil(0.99 n)) over the weights that can move.
+"""
+
+import copy
+import math
+
+import pytest
+import torch
+from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
+from support.tiny import anchor_for, tiny_llama
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+from hf_cfp import AnchorMismatchError, CFPCallback, CFPError, CFPState, FisherAnchor
+from hf_cfp.anchor.fingerprint import model_fingerprint
+
+ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
+
+
+def lora_model(seed=0, **config):
+    """(base weights float64 by name, anchor over every base parameter, PeftModel with LoRA on q_proj and v_proj)."""
+    base = tiny_llama(seed=seed)
+    weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
+    anchor = anchor_for(base, seed=seed + 1)
+    anchor.metadata["base_fingerprint"] = model_fingerprint(base)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **config))
+    return weights, anchor, peft_model
+
+
+@torch.no_grad()
+def train_a_little(model, seed=0, scale=0.05):
+    """Stand-in for optimizer steps: every trainable parameter moves by scale * N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+
+
+def merged_reference(peft_model, origin, anchor, moving, free_fraction=0.99):
+    """float64 metrics of merge_and_unload() against `origin` (name -> weights) over the names in `moving`."""
+    merged = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
+    deltas = {n: merged[n].detach().double() - origin[n] for n in moving}
+    fisher = {n: anchor.fisher[n].double() for n in moving}
+    flat = torch.cat([f.reshape(-1) for f in fisher.values()])
+    threshold = torch.kthvalue(flat, math.ceil(free_fraction * flat.numel())).values
+    name = anchor.name
+    return {
+        f"cfp/{name}/sensitive_drift": math.sqrt(sum(float((fisher[n] * d**2).sum()) for n, d in deltas.items())),
+        f"cfp/{name}/free_drift": math.sqrt(
+            sum(float(d[fisher[n] <= threshold].square().sum()) for n, d in deltas.items())
+        ),
+        "cfp/total_drift": math.sqrt(sum(float(d.square().sum()) for d in deltas.values())),
+    }
+
+
+def assert_metrics_match(measured, reference):
+    assert measured.keys() == reference.keys()
+    for key, value in reference.items():
+        assert value > 0, key
+        assert measured[key] == pytest.approx(value, rel=1e-6), (key, measured[key], value)
+
+
+def test_base_anchor_binds_through_peft_names():
+    _, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    state = CFPState(peft_model, anchor, free_fraction=0.99)
+    assert [w.name for w in state.adapted] == ADAPTED
+    assert state.names == ["lm_head.weight"]  # the one trained base parameter: its modules_to_save copy
+    assert state.params[0] is peft_model.base_model.model.lm_head.modules_to_save["default"].weight
+    assert state.protects_adapters
+    assert all(v == 0 for v in state.drift_metrics().values())  # nothing moved since bind
+
+
+@pytest.mark.parametrize("config", [{}, {"use_rslora": True, "lora_alpha": 16}], ids=["lora", "rslora"])
+def test_drift_equals_the_merged_model_against_the_base_weights(config):
+    weights, anchor, peft_model = lora_model(**config)
+    if config:
+        q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+        assert q.scaling["default"] == pytest.approx(16 / math.sqrt(4))  # rsLoRA: alpha / sqrt(r)
+    state = CFPState(peft_model, anchor)
+    train_a_little(peft_model)
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, weights, anchor, ADAPTED))
+
+
+def test_modules_to_save_copy_is_trained_and_measured_with_the_base_fisher():
+    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    state = CFPState(peft_model, anchor)
+    train_a_little(peft_model)
+    moving = [*ADAPTED, "lm_head.weight"]
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, weights, anchor, moving))
+    lm_only = merged_reference(peft_model, weights, anchor, ["lm_head.weight"])["cfp/total_drift"]
+    assert lm_only > 0.1  # the copy did move, and counts
+
+
+def test_trained_bias_is_measured():
+    base = tiny_llama(attention_bias=True)
+    weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
+    anchor = anchor_for(base)
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], bias="all"))
+    state = CFPState(peft_model, anchor)
+    biases = [n for n in weights if n.endswith("bias")]
+    assert sorted(state.names) == sorted(biases)
+    train_a_little(peft_model)
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, weights, anchor, ADAPTED + biases))
+
+
+def test_nonzero_lora_init_is_subtracted_pissa():
+    weights, anchor, peft_model = lora_model(init_lora_weights="pissa")
+    q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.lora_B["default"].weight.abs().max() > 0  # B0 A0 != 0 at bind
+    state = CFPState(peft_model, anchor)
+    assert max(state.drift_metrics().values()) < 1e-6  # PiSSA keeps the merged model = base at init
+    train_a_little(peft_model)
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, weights, anchor, ADAPTED))
+
+
+def test_nonzero_lora_factors_at_bind_are_the_origin():
+    _, anchor, peft_model = lora_model()
+    train_a_little(peft_model, seed=1)  # B0 A0 != 0 when CFP binds
+    merged_at_bind = {
+        n: p.detach().double() for n, p in copy.deepcopy(peft_model).merge_and_unload().named_parameters()
+    }
+    state = CFPState(peft_model, anchor)
+    train_a_little(peft_model, seed=2)
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, merged_at_bind, anchor, ADAPTED))
+
+
+def test_dora_is_refused_clearly():
+    _, anchor, peft_model = lora_model(use_dora=True)
+    with pytest.raises(CFPError, match=r"q_proj.weight.*DoRA"):
+        CFPState(peft_model, anchor)
+
+
+@pytest.mark.parametrize(
+    "config, kind",
+    [
+        (IA3Config(target_modules=["k_proj", "v_proj"], feedforward_modules=[]), "IA3"),
+        (PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4), "PROMPT_TUNING"),
+    ],
+)
+def test_other_adapter_types_are_refused_by_name(config, kind):
+    base = tiny_llama()
+    anchor = anchor_for(base)
+    with pytest.raises(CFPError, match=f"LoRA adapters only.*{kind}"):
+        CFPState(get_peft_model(base, config), anchor)
+
+
+@pytest.mark.parametrize("lam", [1.0, lambda step: 0.0])
+def test_lam_above_zero_on_adapted_weights_is_refused_at_bind(lam):
+    _, anchor, peft_model = lora_model()
+    callback = CFPCallback(anchor, lam=lam)
+    with pytest.raises(CFPError, match="correction for LoRA adapters is not implemented yet; use lam=0"):
+        callback.on_train_begin(None, TrainerState(), TrainerControl(), model=peft_model)
+    state = CFPState(peft_model, anchor)
+    with pytest.raises(CFPError, match="not implemented yet"):
+        state.correct(1.0)
+    state.correct(0.0)  # measuring only
+
+
+def test_lam_is_allowed_when_only_non_adapter_parameters_are_protected():
+    _, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    lm_anchor = FisherAnchor({"lm_head.weight": anchor.fisher["lm_head.weight"]}, name="lm")
+    callback = CFPCallback(lm_anchor, lam=1.0, monitor=[anchor])  # monitors may cover adapted weights
+    callback.on_train_begin(None, TrainerState(), TrainerControl(), model=peft_model)
+    copy_weight = peft_model.base_model.model.lm_head.modules_to_save["default"].weight
+    before = copy_weight.detach().clone()
+    train_a_little(peft_model)
+    moved = copy_weight.detach() - before
+    callback.protection.correct(1.0)
+    expected = before + moved / (1 + lm_anchor.fisher["lm_head.weight"])
+    torch.testing.assert_close(copy_weight.detach(), expected)
+
+
+def test_fingerprint_sees_through_the_wrapper():
+    _, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    CFPCallback(anchor, lam=0.0).on_train_begin(None, TrainerState(), TrainerControl(), model=peft_model)
+    _, _, other = lora_model(seed=5)  # same architecture, other base weights
+    with pytest.raises(AnchorMismatchError, match="different weights"):
+        CFPCallback(anchor, lam=0.0).on_train_begin(None, TrainerState(), TrainerControl(), model=other)
+
+
+def test_a_missing_base_name_is_still_refused():
+    _, anchor, peft_model = lora_model()
+    wrong = FisherAnchor({"model.layers.9.self_attn.q_proj.weight": torch.ones(16, 16)}, name="x")
+    with pytest.raises(AnchorMismatchError, match="layers.9"):
+        CFPState(peft_model, wrong)
+
+
+def test_trainer_run_logs_the_merged_models_drift(tmp_path):
+    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(8):
+        ids = torch.randint(0, 32, (12,), generator=gen)
+        rows.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to=[],
+        logging_steps=4,
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=[CFPCallback(anchor, lam=0.0)])
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert logged["step"] == 4
+    reference = merged_reference(peft_model, weights, anchor, [*ADAPTED, "lm_head.weight"])
+    assert_metrics_match({k: v for k, v in logged.items() if k.startswith("cfp/")}, reference)
+
+
+def test_resuming_a_lora_measurement_is_refused_until_its_origin_is_saved():
+    _, anchor, peft_model = lora_model()
+
+    class SavedNothing:
+        def read(self, wanted):
+            return {}
+
+    with pytest.raises(CFPError, match="restart_path_on_resume=True"):
+        CFPState(peft_model, anchor, theta0=SavedNothing())
