@@ -152,14 +152,13 @@ class CFPState:
         if self.master is not None:
             self.master.correct(lam)
 
-    @torch.no_grad()
     def drift_metrics(self) -> dict[str, float]:
         """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift` per anchor and `cfp/total_drift`.
 
         Each is sqrt(S_replicated + sum over processes of S_shard): sums of squares S over the
         local tensors, where only sharded ones are all-reduced (a replicated tensor counts once).
         Every process returns the same, global values; with sharded parameters every process must
-        call this (one collective).
+        call this (one collective). Builds no autograd graph: every input is detached.
         """
         current = [local_tensor(p).detach().float() for p in self.params]
         deltas = torch._foreach_sub(current, self.theta0) if current else []  # none: a LoRA run's adapters only
