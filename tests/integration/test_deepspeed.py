@@ -19,6 +19,7 @@ theta0 saved by this process restores on the 2 processes' partitions, exactly.
 import pytest
 import torch
 from support.distributed import (
+    KEYS,
     RESUME_STEP,
     ROWS,
     check_pieces_equal_initial,
@@ -29,14 +30,6 @@ from support.distributed import (
     run_worker,
     save_one_process_theta0,
     trainer_run,
-)
-
-KEYS = (
-    "cfp/math/sensitive_drift",
-    "cfp/math/free_drift",
-    "cfp/code/sensitive_drift",
-    "cfp/code/free_drift",
-    "cfp/total_drift",
 )
 
 

@@ -20,6 +20,7 @@ import shutil
 import pytest
 import torch
 from support.distributed import (
+    KEYS,
     RESUME_STEP,
     ROWS,
     Resume,
@@ -39,15 +40,6 @@ from support.distributed import (
 
 from hf_cfp import CFPError
 from hf_cfp.protection import SavedTheta0
-
-KEYS = (
-    "cfp/math/sensitive_drift",
-    "cfp/math/free_drift",
-    "cfp/code/sensitive_drift",
-    "cfp/code/free_drift",
-    "cfp/total_drift",
-)
-
 
 LOOP_MODES = ("fsdp2", "fsdp1", "fsdp1flat")
 

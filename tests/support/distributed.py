@@ -23,6 +23,14 @@ TESTS = Path(__file__).resolve().parents[1]
 WORKERS = TESTS / "workers"
 
 VOCAB, HIDDEN, LENGTH, ROWS, STEPS, LAM, LR = 33, 16, 12, 4, 4, 10.0, 3e-2  # VOCAB 33: uneven shards
+# The metrics every multi-process test compares (the `math` anchor protects, `code` monitors).
+KEYS = (
+    "cfp/math/sensitive_drift",
+    "cfp/math/free_drift",
+    "cfp/code/sensitive_drift",
+    "cfp/code/free_drift",
+    "cfp/total_drift",
+)
 RESUME_STEP = 2  # interrupted runs save theta0 after this step and resume there
 
 
