@@ -17,8 +17,8 @@
 # they kill are counted in the "torchrun" column and as detected.
 #
 # Time here (2 CPU cores shared with other jobs, 702 mutants, 2 workers): 12.5 min on a quiet
-# machine, 28 min under load; the torchrun pass adds about 1 min per survivor it reruns (25 of
-# them: ~20 min). Too slow for .ci/run, which does not run it.
+# machine, 28 min under load. The torchrun pass adds about 53 s per survivor it reruns (31 of
+# them: 27.5 min). Too slow for .ci/run, which does not run it.
 #
 # Usage: scripts/mutation_report.sh
 #   VENV=path          venv to use (default .venv; mutmut is installed into it if missing)
