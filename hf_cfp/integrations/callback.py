@@ -12,8 +12,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..anchor import check_fingerprint
 from ..errors import CFPArgumentError, CFPError
+from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import LORA_CORRECTION_MISSING, CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
 from .reporting import add_to_step_log, find_trainer_call, move_before_reporters
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 
@@ -39,8 +40,9 @@ class CFPCallback(TrainerCallback):
     callback places itself before the reporting callbacks; [`~CFPCallback.attach`] does the same explicitly.
 
     On a `peft.PeftModel` (LoRA) the anchor is keyed by the base model's names, and the metrics are those of the
-    merged weights against the base weights (theta - theta0 = s B A - s0 B0 A0 on adapted weights). The correction
-    of LoRA factors is not implemented yet: an anchor covering LoRA-adapted weights needs `lam=0`.
+    merged weights against the base weights (theta - theta0 = s B A - s0 B0 A0 on adapted weights). An adapted
+    weight is corrected through its LoRA factors toward the same target (theta - theta0) / (1 + lam F), as far as
+    the adapter can represent it (`lora_rule`); `cfp/<anchor>/adapter_residual` logs the share it missed.
 
     Args:
         anchor ([`FisherAnchor`], `str` or `os.PathLike`):
@@ -67,6 +69,10 @@ class CFPCallback(TrainerCallback):
         restart_path_on_resume (`bool`, *optional*, defaults to `False`):
             Resuming from a checkpoint that has no saved theta0 (saved without CFP) raises `CFPError`; `True`
             takes theta0 from the resumed weights instead, so the protected path starts again there.
+        lora_rule (`str`, *optional*, defaults to `"proximal_b"`):
+            How a LoRA-adapted weight is corrected (PEFT models only): `"proximal_b"`, the exact proximal step
+            restricted to B (A fixed); `"least_squares_b"`, its unweighted fit; `"factor_space"`, elementwise CFP
+            on B and A with F pulled back through the adapter (cheaper, not exact). See `hf_cfp.ops.lora_correction`.
 
     Example:
 
@@ -90,6 +96,7 @@ class CFPCallback(TrainerCallback):
         estimate_kwargs: dict[str, Any] | None = None,
         strict: bool = True,
         restart_path_on_resume: bool = False,
+        lora_rule: str = "proximal_b",
     ):
         self.anchor = resolve_anchor(anchor, compute_if_missing, push_if_computed, estimate_kwargs)
         self.monitors = [load_anchor(m) for m in monitor]
@@ -104,6 +111,9 @@ class CFPCallback(TrainerCallback):
         self.free_fraction = free_fraction
         self.strict = strict
         self.restart_path_on_resume = restart_path_on_resume
+        if lora_rule not in LORA_RULES:
+            raise CFPArgumentError(f"lora_rule must be one of {sorted(LORA_RULES)}, got {lora_rule!r}.")
+        self.lora_rule = lora_rule
         self.protection: CFPState | None = None  # bound at train begin
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
@@ -148,13 +158,9 @@ class CFPCallback(TrainerCallback):
                 for bound in (anchor, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
-            protection = CFPState(model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0)
-            if protection.protects_adapters and (callable(self.lam) or self.lam > 0):
-                raise CFPError(
-                    f"CFPCallback(lam={self.lam!r}): anchor {anchor.name!r} covers LoRA-adapted weights, and "
-                    f"{LORA_CORRECTION_MISSING}."
-                )
-            self.protection = protection
+            self.protection = CFPState(
+                model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
+            )
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if self._attached:
             return
@@ -200,7 +206,8 @@ class CFPCallback(TrainerCallback):
         if self.protection is None:
             raise CFPError("CFPCallback.on_step_end before on_train_begin: the anchor was never bound to the model.")
         self._check_optimizer(kwargs.get("optimizer"))
-        self.protection.correct(self.lam_at(state.global_step))
+        # DefaultFlowCallback, first in the handler, has already decided whether this step logs
+        self.protection.correct(self.lam_at(state.global_step), measure_residual=control.should_log)
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Refuse parameters added to the optimizer after bind: theta0 and F were taken for the

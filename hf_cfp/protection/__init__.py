@@ -6,11 +6,10 @@ Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom 
 
 from .binding import BoundTensor, bind_anchor
 from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
-from .peft_adapters import LORA_CORRECTION_MISSING, peft_view
+from .peft_adapters import peft_view
 from .state import CFPState
 
 __all__ = [
-    "LORA_CORRECTION_MISSING",
     "BoundTensor",
     "CFPState",
     "SavedTheta0",

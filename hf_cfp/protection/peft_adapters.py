@@ -10,8 +10,8 @@ weight standing at that name is one of:
   left trainable (a bias with `bias="all"`): an ordinary parameter, bound as on a full model;
 - frozen and unadapted: it cannot move, and is ignored as on a full model.
 
-So the drift measured on a PeftModel is that of `merge_and_unload()` against the base weights. The CFP
-correction of LoRA factors is not implemented: protecting an adapted weight with lam > 0 is refused.
+So the drift measured on a PeftModel is that of `merge_and_unload()` against the base weights; the correction
+of the LoRA factors is `adapter_correction`.
 """
 
 from dataclasses import dataclass, field
@@ -27,16 +27,12 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
 from ..ops import free_drift_sq, sensitive_drift_sq, total_drift_sq
-
-LORA_CORRECTION_MISSING = (
-    "the CFP correction for LoRA adapters is not implemented yet; use lam=0 to measure a LoRA run in "
-    "base-weight space, or train the full model"
-)
+from ..ops.lora_correction import LoraFactors
 
 
 @dataclass(eq=False)
 class AdaptedWeight:
-    """The frozen base weight W0 of one LoRA `Linear` layer and the snapshot of its LoRA update at bind.
+    """The frozen base weight W0 of one LoRA `Linear` layer and the snapshot of its LoRA factors at bind.
 
     `displacement()` = sum_a s_a B_a A_a - sum_a s0_a B0_a A0_a (transposed when `fan_in_fan_out`), float32:
     the merged weight minus its value at bind.
@@ -48,26 +44,46 @@ class AdaptedWeight:
     snapshot: list[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (s0, B0, A0) each
 
     def __post_init__(self) -> None:
-        self.snapshot = [(s, b.clone(), a.clone()) for s, b, a in self._factors()]
-
-    def _factors(self) -> list[tuple[float, torch.Tensor, torch.Tensor]]:
-        return [
-            (float(self.layer.scaling[a]), _weight(self.layer.lora_B, a), _weight(self.layer.lora_A, a))
+        self.snapshot = [
+            (
+                float(self.layer.scaling[a]),
+                _weight(self.layer.lora_B, a).clone(),
+                _weight(self.layer.lora_A, a).clone(),
+            )
             for a in self.adapters
         ]
+
+    def factors(self) -> list[LoraFactors]:
+        """Each active adapter's factors now and at bind, float32."""
+        return [
+            LoraFactors(
+                float(self.layer.scaling[a]), _weight(self.layer.lora_B, a), _weight(self.layer.lora_A, a), s0, b0, a0
+            )
+            for a, (s0, b0, a0) in zip(self.adapters, self.snapshot, strict=True)
+        ]
+
+    def in_factor_orientation(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped like W0 seen as B A is (out x in): transposed when `fan_in_fan_out`."""
+        return tensor.T if self.layer.fan_in_fan_out else tensor
 
     @torch.no_grad()
     def displacement(self) -> torch.Tensor:
         """Delta_W = sum_a (s_a B_a A_a - s0_a B0_a A0_a), shaped like W0, float32 (one layer at a time)."""
-        b0, a0 = self.snapshot[0][1:]
-        delta = torch.zeros(b0.shape[0], a0.shape[1], device=b0.device)
-        for (s, b, a), (s0, b0, a0) in zip(self._factors(), self.snapshot, strict=True):
-            delta.addmm_(b, a, alpha=s).addmm_(b0, a0, alpha=-s0)
-        return delta.T if self.layer.fan_in_fan_out else delta
+        return self.in_factor_orientation(torch.stack([f.displacement() for f in self.factors()]).sum(0))
+
+    @torch.no_grad()
+    def write(self, b: torch.Tensor, a: torch.Tensor) -> None:
+        """Set the (single) active adapter's factors to `b`, `a` (cast to the factors' dtype)."""
+        (adapter,) = self.adapters
+        for modules, value in ((self.layer.lora_B, b), (self.layer.lora_A, a)):
+            weight = modules[adapter].weight
+            assert isinstance(weight, torch.Tensor)
+            if value.data_ptr() != weight.data_ptr():  # a factor the rule left in place is not copied onto itself
+                weight.copy_(value)
 
 
 def _weight(modules: torch.nn.ModuleDict, adapter: str) -> torch.Tensor:
-    """`modules[adapter].weight` (a LoRA factor), detached, float32."""
+    """`modules[adapter].weight` (a LoRA factor), detached, float32 (the parameter itself when it is float32)."""
     weight = modules[adapter].weight
     assert isinstance(weight, torch.Tensor)
     return weight.detach().float()

@@ -16,8 +16,9 @@ from ..errors import CFPError
 from ..ops import PullWeights, apply_correction, free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
+from .adapter_correction import AdapterCorrection
 from .binding import HeldRange, bind_anchor
-from .peft_adapters import LORA_CORRECTION_MISSING, AdaptedWeight, adapted_drift_sq, peft_view
+from .peft_adapters import AdaptedWeight, adapted_drift_sq, peft_view
 
 
 class Theta0Reader(Protocol):
@@ -52,8 +53,8 @@ class CFPState:
 
     On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base
     parameters (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is
-    measured by its merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`). Those cannot be corrected yet:
-    `correct(lam > 0)` raises CFPError when the protecting anchor covers one (`protects_adapters`).
+    measured by its merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`) and corrected through its LoRA
+    factors by `lora_rule` (`ops.lora_correction`: "proximal_b", "least_squares_b" or "factor_space").
     """
 
     def __init__(
@@ -64,28 +65,21 @@ class CFPState:
         free_fraction: float = 0.99,
         optimizer: torch.optim.Optimizer | None = None,
         theta0: "Theta0Reader | None" = None,
+        lora_rule: str = "proximal_b",
     ):
         self.model = model
+        self.anchor_name = anchor.name
         view = peft_view(model)
         bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in (anchor, *monitors)}
-        # LoRA-adapted base weights covered by any anchor, each once; anchor name -> {index: local F}
-        self.adapted: list[AdaptedWeight] = []
-        adapted_fisher: dict[str, dict[int, torch.Tensor]] = {}
-        for a in (anchor, *monitors):
-            adapted_fisher[a.name] = {}
-            for name, weight in (view.adapted if view else {}).items():
-                if name in a.fisher:
-                    if weight not in self.adapted:
-                        self.adapted.append(weight)
-                    device = weight.snapshot[0][1].device
-                    adapted_fisher[a.name][self.adapted.index(weight)] = a.fisher[name].to(device, torch.float32)
-        self.protects_adapters = bool(adapted_fisher[anchor.name])
+        self.adapted, adapted_fisher = _bind_adapted(view.adapted if view else {}, (anchor, *monitors))
         if self.adapted and theta0 is not None:
             raise CFPError(
                 "Resuming a run whose anchors cover LoRA-adapted weights is not supported yet: the LoRA factors at "
                 "train begin (the origin of the measured path) are not saved in checkpoints. Pass "
                 "CFPCallback(..., restart_path_on_resume=True) to measure from the resumed weights instead."
             )
+        covered = adapted_fisher[anchor.name]
+        self.adapters = AdapterCorrection([self.adapted[i] for i in covered], list(covered.values()), lora_rule)
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
         self.params: list[torch.Tensor] = []
         self.names: list[str] = []
@@ -139,14 +133,13 @@ class CFPState:
             [t.fisher for t in protected],
         )
 
-    def correct(self, lam: float) -> None:
-        """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter."""
+    def correct(self, lam: float, measure_residual: bool = False) -> None:
+        """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter; on LoRA-adapted
+        weights the same through their factors (with `measure_residual`, `cfp/<anchor>/adapter_residual` is
+        measured and reported by the next `drift_metrics`)."""
         if lam == 0:
             return
-        if self.protects_adapters:
-            raise CFPError(
-                f"lam={lam} on a model whose protecting anchor covers LoRA-adapted weights: {LORA_CORRECTION_MISSING}."
-            )
+        self.adapters.correct(lam, measure_residual)
         for group in self.groups:
             group.correct(lam)
         if self.master is not None:
@@ -179,7 +172,27 @@ class CFPState:
         if any(self.sharded):
             shard_sums = shard_sums.to(self.theta0[self.sharded.index(True)].device)
             all_reduce_sum_([shard_sums])
-        return {
+        metrics = {
             key: math.sqrt(replicated + float(shards))
             for (key, (replicated, _)), shards in zip(squares.items(), shard_sums, strict=True)
         }
+        if self.adapters.residual is not None:
+            metrics[f"cfp/{self.anchor_name}/adapter_residual"] = self.adapters.residual
+        return metrics
+
+
+def _bind_adapted(
+    adapted: dict[str, AdaptedWeight], anchors: Sequence[FisherAnchor]
+) -> tuple[list[AdaptedWeight], dict[str, dict[int, torch.Tensor]]]:
+    """The LoRA-adapted weights any anchor covers, each once, and anchor name -> {index into them: F}."""
+    covered: list[AdaptedWeight] = []
+    fisher: dict[str, dict[int, torch.Tensor]] = {}
+    for anchor in anchors:
+        fisher[anchor.name] = {}
+        for name, weight in adapted.items():
+            if name in anchor.fisher:
+                if weight not in covered:
+                    covered.append(weight)
+                device = weight.snapshot[0][1].device
+                fisher[anchor.name][covered.index(weight)] = anchor.fisher[name].to(device, torch.float32)
+    return covered, fisher

@@ -13,7 +13,7 @@ from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
 from support.tiny import anchor_for, tiny_llama
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from hf_cfp import AnchorMismatchError, CFPCallback, CFPError, CFPState, FisherAnchor
+from hf_cfp import AnchorMismatchError, CFPArgumentError, CFPCallback, CFPError, CFPState, FisherAnchor
 from hf_cfp.anchor.fingerprint import model_fingerprint
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
@@ -68,7 +68,7 @@ def test_base_anchor_binds_through_peft_names():
     assert [w.name for w in state.adapted] == ADAPTED
     assert state.names == ["lm_head.weight"]  # the one trained base parameter: its modules_to_save copy
     assert state.params[0] is peft_model.base_model.model.lm_head.modules_to_save["default"].weight
-    assert state.protects_adapters
+    assert [w.name for w, _ in state.adapters.weights] == ADAPTED  # the protecting anchor corrects them
     assert all(v == 0 for v in state.drift_metrics().values())  # nothing moved since bind
 
 
@@ -146,16 +146,95 @@ def test_other_adapter_types_are_refused_by_name(config, kind):
         CFPState(get_peft_model(base, config), anchor)
 
 
-@pytest.mark.parametrize("lam", [1.0, lambda step: 0.0])
-def test_lam_above_zero_on_adapted_weights_is_refused_at_bind(lam):
+def merged_weights(peft_model, names):
+    """name -> float64 weights of merge_and_unload() of a deep copy."""
+    merged = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
+    return {n: merged[n].detach().double() for n in names}
+
+
+def row_constant_anchor(anchor, seed=7):
+    """`anchor` with F_ij = u_i (constant along each row) on the adapted weights."""
+    g = torch.Generator().manual_seed(seed)
+    fisher = dict(anchor.fisher)
+    for name in ADAPTED:
+        rows = fisher[name].shape[0]
+        fisher[name] = (torch.rand(rows, generator=g) * 4)[:, None].expand_as(fisher[name]).contiguous()
+    return FisherAnchor(fisher, name=anchor.name, metadata=dict(anchor.metadata))
+
+
+@pytest.mark.parametrize("rule", ["proximal_b", "least_squares_b"])
+@pytest.mark.parametrize("config", [{}, {"use_rslora": True, "lora_alpha": 16}], ids=["lora", "rslora"])
+def test_correction_equals_full_parameter_cfp_when_f_is_constant_along_rows(config, rule):
+    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"], **config)
+    anchor = row_constant_anchor(anchor)
+    state = CFPState(peft_model, anchor, lora_rule=rule)
+    lam = 3.0
+    for step in range(3):
+        train_a_little(peft_model, seed=step)
+        proposal = merged_weights(peft_model, [*ADAPTED, "lm_head.weight"])
+        state.correct(lam, measure_residual=True)
+        corrected = merged_weights(peft_model, [*ADAPTED, "lm_head.weight"])
+        for name, theta in proposal.items():  # full-parameter CFP on the merged model, float64
+            target = weights[name] + (theta - weights[name]) / (1 + lam * anchor.fisher[name].double())
+            error = float((corrected[name] - target).norm() / (target - weights[name]).norm())
+            assert error < 1e-5, (step, name, error)
+        assert state.adapters.residual < 1e-5
+
+
+@pytest.mark.parametrize("rule", ["proximal_b", "least_squares_b", "factor_space"])
+def test_adapters_of_modules_with_zero_fisher_keep_the_optimizers_proposal_bitwise(rule):
     _, anchor, peft_model = lora_model()
-    callback = CFPCallback(anchor, lam=lam)
-    with pytest.raises(CFPError, match="correction for LoRA adapters is not implemented yet; use lam=0"):
-        callback.on_train_begin(None, TrainerState(), TrainerControl(), model=peft_model)
+    silent = "model.layers.0.self_attn.q_proj.weight"
+    anchor.fisher[silent] = torch.zeros_like(anchor.fisher[silent])
+    q = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    v = peft_model.base_model.model.model.layers[0].self_attn.v_proj
+    state = CFPState(peft_model, anchor, lora_rule=rule)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 32, (2, 10), generator=torch.Generator().manual_seed(0))
+    for _ in range(4):
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        proposal = [t.detach().clone() for t in (q.lora_A["default"].weight, q.lora_B["default"].weight)]
+        v_proposal = v.lora_B["default"].weight.detach().clone()
+        state.correct(5.0)
+        assert torch.equal(q.lora_A["default"].weight, proposal[0])
+        assert torch.equal(q.lora_B["default"].weight, proposal[1])
+        assert not torch.equal(v.lora_B["default"].weight, v_proposal)  # F > 0 there: corrected
+
+
+def test_adapter_residual_is_the_missed_share_of_the_merged_target():
+    weights, anchor, peft_model = lora_model()
+    state = CFPState(peft_model, anchor)  # F uniform random: not representable exactly
+    train_a_little(peft_model)
+    proposal = merged_weights(peft_model, ADAPTED)
+    state.correct(2.0, measure_residual=True)
+    corrected = merged_weights(peft_model, ADAPTED)
+    missed, target_sq = 0.0, 0.0
+    for name in ADAPTED:
+        target = (proposal[name] - weights[name]) / (1 + 2.0 * anchor.fisher[name].double())
+        missed += float((corrected[name] - weights[name] - target).square().sum())
+        target_sq += float(target.square().sum())
+    expected = math.sqrt(missed / target_sq)
+    assert 0.01 < expected < 1
+    assert state.adapters.residual == pytest.approx(expected, rel=1e-4)
+    assert state.drift_metrics()["cfp/math/adapter_residual"] == state.adapters.residual
+
+
+def test_more_than_one_active_adapter_is_refused_when_correcting():
+    _, anchor, peft_model = lora_model()
+    peft_model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
+    peft_model.base_model.set_adapter(["default", "other"])
     state = CFPState(peft_model, anchor)
-    with pytest.raises(CFPError, match="not implemented yet"):
+    state.correct(0.0)  # measuring both is fine
+    with pytest.raises(CFPError, match="one LoRA adapter per weight.*'default', 'other'"):
         state.correct(1.0)
-    state.correct(0.0)  # measuring only
+
+
+def test_an_unknown_lora_rule_is_refused():
+    _, anchor, _ = lora_model()
+    with pytest.raises(CFPArgumentError, match="lora_rule must be one of"):
+        CFPCallback(anchor, lora_rule="svd")
 
 
 def test_lam_is_allowed_when_only_non_adapter_parameters_are_protected():
@@ -187,31 +266,61 @@ def test_a_missing_base_name_is_still_refused():
         CFPState(peft_model, wrong)
 
 
-def test_trainer_run_logs_the_merged_models_drift(tmp_path):
-    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+def train(peft_model, output_dir, callbacks=(), steps=4):
+    """A short Trainer run on random token rows (AdamW, lr 1e-2, logging every 2 steps); returns the Trainer."""
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for _ in range(8):
+    for _ in range(2 * steps):
         ids = torch.randint(0, 32, (12,), generator=gen)
         rows.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(output_dir),
         use_cpu=True,
         report_to=[],
-        logging_steps=4,
-        max_steps=4,
+        logging_steps=2,
+        max_steps=steps,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=[CFPCallback(anchor, lam=0.0)])
+    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=list(callbacks))
     trainer.train()
+    return trainer
+
+
+def cfp_logs(trainer):
+    """The cfp/* metrics of the last logging step."""
     logged = [h for h in trainer.state.log_history if "loss" in h][-1]
-    assert logged["step"] == 4
+    return {k: v for k, v in logged.items() if k.startswith("cfp/")}
+
+
+def test_trainer_run_logs_the_merged_models_drift(tmp_path):
+    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    trainer = train(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)])
+    assert trainer.state.log_history[-2]["step"] == 4
     reference = merged_reference(peft_model, weights, anchor, [*ADAPTED, "lm_head.weight"])
-    assert_metrics_match({k: v for k, v in logged.items() if k.startswith("cfp/")}, reference)
+    assert_metrics_match(cfp_logs(trainer), reference)
+
+
+def test_lam_zero_is_bit_identical_to_no_callback(tmp_path):
+    _, anchor, with_cfp = lora_model(modules_to_save=["lm_head"])
+    _, _, without = lora_model(modules_to_save=["lm_head"])
+    train(with_cfp, tmp_path / "a", [CFPCallback(anchor, lam=0.0)])
+    train(without, tmp_path / "b")
+    for (name, p), (_, q) in zip(with_cfp.named_parameters(), without.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_large_lam_cuts_base_space_sensitive_drift_at_least_5x_and_logs_the_residual(tmp_path):
+    _, anchor, free_run = lora_model(modules_to_save=["lm_head"])
+    _, _, protected_run = lora_model(modules_to_save=["lm_head"])
+    free = cfp_logs(train(free_run, tmp_path / "free", [CFPCallback(anchor, lam=0.0)]))
+    protected = cfp_logs(train(protected_run, tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)]))
+    assert protected["cfp/math/sensitive_drift"] * 5 <= free["cfp/math/sensitive_drift"]
+    assert "cfp/math/adapter_residual" not in free  # lam = 0: nothing corrected
+    assert 0 <= protected["cfp/math/adapter_residual"] < 1
 
 
 def test_resuming_a_lora_measurement_is_refused_until_its_origin_is_saved():
