@@ -10,10 +10,18 @@ import math
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
-from support.tiny import anchor_for, tiny_llama
+from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from hf_cfp import AnchorMismatchError, CFPArgumentError, CFPCallback, CFPError, CFPState, FisherAnchor
+from hf_cfp import (
+    AnchorMismatchError,
+    CFPArgumentError,
+    CFPCallback,
+    CFPError,
+    CFPState,
+    FisherAnchor,
+    estimate_fisher,
+)
 from hf_cfp.anchor.fingerprint import model_fingerprint
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
@@ -332,3 +340,28 @@ def test_resuming_a_lora_measurement_is_refused_until_its_origin_is_saved():
 
     with pytest.raises(CFPError, match="restart_path_on_resume=True"):
         CFPState(peft_model, anchor, theta0=SavedNothing())
+
+
+def test_adapter_space_anchor_at_lora_init_has_zero_fisher_on_every_lora_a():
+    """At PEFT's init B = 0, so dlogp/dA = s B^T g x^T = 0: an anchor estimated on the adapter protects no A."""
+    tokenizer = tiny_tokenizer()
+    peft_model = get_peft_model(tiny_llama(vocab_size=len(tokenizer)), LoraConfig(r=4, target_modules=["q_proj"]))
+    anchor = estimate_fisher(peft_model, tokenizer, ["what is two plus three"], num_sequences=2, max_new_tokens=4)
+    lora_a = [n for n in anchor.fisher if ".lora_A." in n]
+    lora_b = [n for n in anchor.fisher if ".lora_B." in n]
+    assert len(lora_a) == len(lora_b) == 2 and len(anchor.fisher) == 4  # the trainable parameters, PEFT-named
+    assert all(torch.count_nonzero(anchor.fisher[n]) == 0 for n in lora_a)
+    assert all(anchor.fisher[n].sum() > 0 for n in lora_b)
+    state = CFPState(peft_model, anchor, free_fraction=0.5)  # binds as ordinary parameters: elementwise CFP
+    assert not state.adapted and sorted(state.names) == sorted(anchor.fisher)
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    train_a_little(peft_model)
+    moved = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    state.correct(10.0)
+    for name, param in peft_model.named_parameters():
+        if param.requires_grad:
+            fisher = anchor.fisher[name]
+            expected = before[name] + (moved[name] - before[name]) / (1 + 10.0 * fisher)
+            torch.testing.assert_close(param.detach(), expected)
+            if ".lora_A." in name:
+                assert torch.equal(param.detach(), moved[name])  # F = 0: A keeps the proposal
