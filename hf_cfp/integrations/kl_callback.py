@@ -18,10 +18,11 @@ class KLToBaseCallback(TrainerCallback):
     A [`~transformers.TrainerCallback`] that logs how far the trained model's sequence distribution has moved
     from the base model's on a capability's held-out prompts, without keeping the base model in memory.
 
-    At train begin it draws m responses per prompt from the model as it is then (the base mu_0, the sampler at
-    `temperature`, no truncation; responses end at EOS or after `max_new_tokens`, as in [`estimate_fisher`]) and
-    stores their token ids and base log-probs log mu_0(y|x). At every logging step it scores the stored responses
-    under the current model (one scoring pass, no grad) and adds
+    At the first train begin it draws m responses per prompt from the model as it is then (the base mu_0, the
+    sampler at `temperature`, no truncation; responses end at EOS or after `max_new_tokens`, as in
+    [`estimate_fisher`]) and stores their token ids and base log-probs log mu_0(y|x) (a later `train()` keeps
+    them). At every logging step it scores the stored responses under the current model (one scoring pass, no
+    grad) and adds
 
     $$\mathrm{KL} = \frac{1}{P}\sum_p \frac{1}{m}\sum_j \big[\log\mu_0(y_{pj}|x_p) - \log\mu_\theta(y_{pj}|x_p)\big]$$
 
