@@ -2,7 +2,7 @@
 
 Layers, each importing only those below it:
 `errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
-< `integrations` < `demo` < `cli`.
+< `evaluation` < `integrations` < `demo` < `cli`.
 """
 
 from .anchor import FisherAnchor
@@ -15,8 +15,9 @@ from .errors import (
     CFPError,
     CFPHubError,
 )
+from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
 from .fisher import estimate_fisher
-from .integrations import CFPCallback
+from .integrations import CFPCallback, KLToBaseCallback
 from .protection import CFPState
 from .version import __version__
 
@@ -31,6 +32,10 @@ __all__ = [
     "CFPHubError",
     "CFPState",
     "FisherAnchor",
+    "KLEstimate",
+    "KLToBaseCallback",
     "__version__",
     "estimate_fisher",
+    "kl_to_base",
+    "kl_to_base_with_stderr",
 ]

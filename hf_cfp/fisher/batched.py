@@ -40,7 +40,7 @@ from ..errors import CFPArgumentError
 from .module_kinds import ROLES, module_kind, norm_direction
 from .per_sequence_grads import Use, accumulate
 from .sampling import Sampler
-from .scoring import add_squared_score, sequence_log_prob
+from .scoring import PaddedBatch, add_squared_score, sequence_log_prob
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def add_batched_squared_scores(
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
-    batch = _Batch(prompts, responses, pad_id, params[live[0]].device)
+    batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device)
     owners, fallback = _find_owners(model, params, live)
 
     tracer = _Tracer(owners)
@@ -127,36 +127,6 @@ def add_batched_squared_scores(
                 [params[i] for i in fb],
                 sequence_log_prob(model, prompt, response, sampler),
             )
-
-
-# ----------------------------------------------------------------------------- the batch
-
-
-class _Batch:
-    """Right-padded prompt+response ids. Right padding keeps every real token's causal context
-    free of padding, so no attention row is fully masked and padding cannot leak into a score."""
-
-    def __init__(self, prompts, responses, pad_id, device):
-        self.size = len(prompts)
-        seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
-        width = max(len(s) for s in seqs)
-        rows: list[int] = []
-        cols: list[int] = []
-        targets: list[int] = []
-        for b, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-            rows += [b] * len(response)  # position t predicts token t + 1
-            cols += range(len(prompt) - 1, len(prompt) + len(response) - 1)
-            targets += response
-        self.ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
-        self.mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
-        self.rows, self.cols = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-        self.targets = torch.tensor(targets, dtype=torch.long, device=device)
-
-    def response_log_prob(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
-        """sum_b sum_{t in response_b} log mu(y_{b,t} | prefix): padding and prompts masked out."""
-        scored = sampler.log_probs(logits[self.rows, self.cols])
-        return scored.gather(1, self.targets.unsqueeze(1)).sum()
 
 
 # ----------------------------------------------------------------------------- which parameters are covered

@@ -15,7 +15,7 @@ from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
 from .batched import add_batched_squared_scores
 from .prompts import prompts_sha256, to_token_ids
-from .sampling import Sampler, batch_generator, sample_responses
+from .sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
 from .scoring import add_squared_score, sequence_log_prob
 
 ESTIMATORS = ("sequence", "token", "empirical")
@@ -104,8 +104,8 @@ def estimate_fisher(
     sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
     prompt_ids = to_token_ids(prompts, tokenizer)
     labels = _labels(responses, tokenizer, len(prompt_ids), estimator)
-    eos_ids = _eos_ids(model, tokenizer, eos_token_id)
-    pad_id = getattr(tokenizer, "pad_token_id", None) or min(eos_ids, default=0)
+    eos_ids = resolve_eos_ids(model, tokenizer, eos_token_id)
+    pad_id = resolve_pad_id(tokenizer, eos_ids)
     score = _ENGINE_FUNCTIONS[engine]
 
     named = list(named_parameters_once(model, trainable_only=trainable_only))
@@ -200,17 +200,6 @@ def _labels(responses, tokenizer, num_prompts: int, estimator: str):
     if len(labels) != num_prompts:
         raise CFPArgumentError(f"Got {len(labels)} responses for {num_prompts} prompts; give one per prompt.")
     return labels
-
-
-def _eos_ids(model, tokenizer, eos_token_id) -> set[int]:
-    for source in (
-        eos_token_id,
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    ):
-        if source is not None:
-            return {int(t) for t in (source if isinstance(source, (list, tuple, set)) else [source])}
-    return set()
 
 
 _NOT_A_CAUSAL_LM = (

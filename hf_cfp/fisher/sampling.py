@@ -60,6 +60,24 @@ class Sampler:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
+def resolve_eos_ids(model, tokenizer, eos_token_id: int | list[int] | None = None) -> set[int]:
+    """The token ids that end a response: `eos_token_id` if given, else the model's generation
+    config's, else the tokenizer's; none (fixed-length responses) when all three are unset."""
+    for source in (
+        eos_token_id,
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
+        if source is not None:
+            return {int(t) for t in (source if isinstance(source, (list, tuple, set)) else [source])}
+    return set()
+
+
+def resolve_pad_id(tokenizer, eos_ids: set[int]) -> int:
+    """The id written into padding positions (masked out): the tokenizer's pad token, else an EOS, else 0."""
+    return getattr(tokenizer, "pad_token_id", None) or min(eos_ids, default=0)
+
+
 def batch_generator(seed: int, batch_index: int) -> torch.Generator:
     """The random stream of batch `batch_index`: every batch has its own, derived from the seed,
     so that any split of the batches over processes draws the same tokens."""

@@ -1,4 +1,5 @@
-"""Per-sequence scores and the running sum of their squares (the plain, exact loop engine)."""
+"""Per-sequence log-probabilities and scores: the plain one-sequence form, the right-padded batch
+both engines and the capability KL score with, and the running sum of squared scores."""
 
 import torch
 
@@ -12,6 +13,55 @@ def sequence_log_prob(model, prompt: list[int], response: list[int], sampler: Sa
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
     targets = torch.tensor(response, device=device).unsqueeze(1)
     return sampler.log_probs(logits).gather(1, targets).sum()
+
+
+class PaddedBatch:
+    """Right-padded prompt+response ids. Right padding keeps every real token's causal context
+    free of padding, so no attention row is fully masked and padding cannot leak into a score."""
+
+    def __init__(self, prompts, responses, pad_id, device):
+        self.size = len(prompts)
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+        width = max(len(s) for s in seqs)
+        rows: list[int] = []
+        cols: list[int] = []
+        targets: list[int] = []
+        for b, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+            rows += [b] * len(response)  # position t predicts token t + 1
+            cols += range(len(prompt) - 1, len(prompt) + len(response) - 1)
+            targets += response
+        self.ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
+        self.mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        self.rows, self.cols = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+        self.targets = torch.tensor(targets, dtype=torch.long, device=device)
+
+    def token_log_probs(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+        """log mu(y_{b,t} | prefix) for every response token, flattened in (b, t) order."""
+        scored = sampler.log_probs(logits[self.rows, self.cols])
+        return scored.gather(1, self.targets.unsqueeze(1)).squeeze(1)
+
+    def response_log_prob(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+        """sum_b sum_{t in response_b} log mu(y_{b,t} | prefix): padding and prompts masked out."""
+        return self.token_log_probs(logits, sampler).sum()
+
+    def sequence_log_probs(self, logits: torch.Tensor, sampler: Sampler) -> torch.Tensor:
+        """[log mu(y_b | x_b) for b in batch], float64 sums of the response tokens' float32 log-probs."""
+        per_token = self.token_log_probs(logits, sampler).double()
+        return torch.zeros(self.size, dtype=torch.float64, device=per_token.device).index_add_(0, self.rows, per_token)
+
+
+@torch.no_grad()
+def batched_sequence_log_probs(
+    model, prompts: list[list[int]], responses: list[list[int]], sampler: Sampler, pad_id: int = 0
+) -> torch.Tensor:
+    """log mu(y_b | x_b) = sum_t log mu(y_b,t | x_b, y_b,<t) for every sequence b, in one forward of the
+    right-padded batch (response tokens only; an empty response has log-prob 0). Float64, on CPU.
+    The model's train/eval mode is left as it is (call ``model.eval()`` for dropout-free scores)."""
+    device = next(model.parameters()).device
+    batch = PaddedBatch(prompts, responses, pad_id, device)
+    out = model(input_ids=batch.ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=False)
+    return batch.sequence_log_probs(out.logits, sampler).cpu()
 
 
 def add_squared_score(accumulators: list[torch.Tensor], params: list[torch.Tensor], log_prob: torch.Tensor) -> None:

@@ -2,5 +2,6 @@
 and resolving what a user passes as an anchor (object, directory, Hub reference)."""
 
 from .callback import CFPCallback
+from .kl_callback import KLToBaseCallback
 
-__all__ = ["CFPCallback"]
+__all__ = ["CFPCallback", "KLToBaseCallback"]

@@ -15,7 +15,7 @@ from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
-from .reporting import add_to_step_log, find_trainer_call, move_before_reporters
+from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 
 logger = logging.getLogger(__name__)
@@ -128,10 +128,7 @@ class CFPCallback(TrainerCallback):
         cfp = CFPCallback(anchor, lam=10.0).attach(trainer)
         ```
         """
-        handler = trainer.callback_handler
-        if not any(cb is self for cb in handler.callbacks):
-            trainer.add_callback(self)
-        move_before_reporters(handler, self)
+        attach_before_reporters(trainer, self)
         self._attached = True
         return self
 
@@ -162,16 +159,8 @@ class CFPCallback(TrainerCallback):
                 model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
             )
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
-        if self._attached:
-            return
-        if call is None:
-            logger.warning(
-                "CFPCallback could not find the Trainer's callback handler: its metrics reach the console and "
-                "state.log_history only. Call `cfp_callback.attach(trainer)` before trainer.train() to place it "
-                "before the reporting callbacks."
-            )
-        else:
-            move_before_reporters(call.handler, self)
+        if not self._attached:
+            place_at_train_begin(self, call)
 
     def _saved_theta0(
         self, args: TrainingArguments, state: TrainerState, resumed_from: str | None

@@ -14,6 +14,7 @@ the callback just before the first reporter:
 In `on_log` the callback also updates the history entry of that step (`add_to_step_log`).
 """
 
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler
 
 _REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,3 +71,25 @@ def add_to_step_log(state: TrainerState, logs: dict[str, float], metrics: dict[s
     logs.update(metrics)
     if state.log_history and state.log_history[-1].get("step") == state.global_step:
         state.log_history[-1].update(metrics)
+
+
+def attach_before_reporters(trainer: Trainer, callback: TrainerCallback) -> None:
+    """Add `callback` to `trainer` (if it is not there yet) just before its reporting callbacks."""
+    handler = trainer.callback_handler
+    if not any(cb is callback for cb in handler.callbacks):
+        trainer.add_callback(callback)
+    move_before_reporters(handler, callback)
+
+
+def place_at_train_begin(callback: TrainerCallback, call: TrainerCall | None) -> None:
+    """The automatic placement: move `callback` before the reporters of the handler found on the
+    stack (`find_trainer_call`), or warn once that its metrics reach the console and history only."""
+    if call is not None:
+        move_before_reporters(call.handler, callback)
+        return
+    logger.warning(
+        "%s could not find the Trainer's callback handler: its metrics reach the console and "
+        "state.log_history only. Call `callback.attach(trainer)` before trainer.train() to place it "
+        "before the reporting callbacks.",
+        type(callback).__name__,
+    )

@@ -16,6 +16,7 @@ LAYERS = [
     ("anchor",),
     ("fisher",),
     ("protection",),
+    ("evaluation",),
     ("integrations",),
     ("demo",),
     ("cli",),
