@@ -48,5 +48,5 @@ class AdapterCorrection:
                 after = weight.factors()[0].displacement()  # as written (rounded to the factors' dtype)
                 missed_sq += float((after - target).double().square().sum())
                 target_sq += float(target.double().square().sum())
-        if measure:
+        if measure and self.weights:  # no corrected adapted weight (a full model): no residual to report
             self.residual = math.sqrt(missed_sq / target_sq) if target_sq > 0 else 0.0
