@@ -131,6 +131,7 @@ class CFPState:
             [t.param for t in protected],
             [self.theta0[index[id(t.param)]] for t in protected],
             [t.fisher for t in protected],
+            followed=_factor_params(self.adapters),
         )
 
     def correct(self, lam: float, measure_residual: bool = False) -> None:
@@ -139,7 +140,10 @@ class CFPState:
         measured and reported by the next `drift_metrics`)."""
         if lam == 0:
             return
-        self.adapters.correct(lam, measure_residual)
+        if self.master is not None:  # ZeRO-1/2: the corrected LoRA factors are carried into the fp32 master copy
+            self.master.carry(lambda: self.adapters.correct(lam, measure_residual))
+        else:
+            self.adapters.correct(lam, measure_residual)
         for group in self.groups:
             group.correct(lam)
         if self.master is not None:
@@ -179,6 +183,16 @@ class CFPState:
         if self.adapters.residual is not None:
             metrics[f"cfp/{self.anchor_name}/adapter_residual"] = self.adapters.residual
         return metrics
+
+
+def _factor_params(adapters: AdapterCorrection) -> list[torch.Tensor]:
+    """The LoRA factors (A and B of each active adapter) of the weights the adapter correction rewrites."""
+    return [
+        factors[a].weight  # type: ignore[misc]
+        for weight, _ in adapters.weights
+        for a in weight.adapters
+        for factors in (weight.layer.lora_A, weight.layer.lora_B)
+    ]
 
 
 def _bind_adapted(
