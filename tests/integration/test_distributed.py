@@ -26,6 +26,7 @@ import pytest
 import torch
 from support.distributed import (
     KEYS,
+    LORA_KEYS,
     RESUME_STEP,
     ROWS,
     Resume,
@@ -280,6 +281,16 @@ def test_a_checkpoint_missing_a_process_file_is_an_error_naming_the_parameter(wo
 
 def test_ddp_lora_equals_one_process(ranks, tmp_path):
     check_lora_equals_one_process([r["lora_ddp_params"] for r in ranks], [r["lora_ddp_logs"] for r in ranks], tmp_path)
+
+
+def test_ddp_lora_resumes_bit_identically_from_the_factors_rank_0_saved(ranks):
+    """theta0 of the lm_head copy and the LoRA factors at train begin are replicated: rank 0 writes them once,
+    both processes read them back, and the resumed run equals the uninterrupted one bit for bit."""
+    assert ranks[0]["lora_ddp_saved_files"] == ["cfp_theta0-rank00000-of-00002.safetensors"]
+    for r in ranks:
+        assert r["lora_ddp_resumed_params"].keys() == r["lora_ddp_params"].keys()
+        assert all(torch.equal(p, r["lora_ddp_params"][n]) for n, p in r["lora_ddp_resumed_params"].items())
+        assert all(r["lora_ddp_resumed_logs"][key] == r["lora_ddp_logs"][key] for key in ("loss", *LORA_KEYS))
 
 
 @pytest.mark.parametrize("kind, says", [("fsdp2", "has sharded LoRA factors"), ("fsdp1", "under FSDP1")])

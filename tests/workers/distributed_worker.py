@@ -19,7 +19,8 @@ the directory `<one>` saved by the single test process, and restore theta0 throu
 it and from the one saved by FSDP2 (another layout's pieces), recording each piece with its range.
 
 PEFT LoRA (`make_lora_model`: LoRA on q_proj / v_proj, lm_head through modules_to_save): trained under DDP
-by the Trainer with lam > 0 (the LoRA factors corrected on every process); and bound on the same model
+by the Trainer with lam > 0 (the LoRA factors corrected on every process), saving checkpoints, and resumed
+from a copy of checkpoint-RESUME_STEP by a new Trainer and callback in a fresh output_dir; and bound on the same model
 sharded by FSDP2 and by FSDP1 (use_orig_params=True), where CFP must refuse with a CFPError: `<kind>_refusal`
 records the exception's type and message.
 
@@ -243,13 +244,26 @@ def fsdp1_case(rank, world, out, reads):
 
 def lora_case(out, mesh):
     """A LoRA model trained under DDP with lam > 0, and CFP's refusal of LoRA factors sharded by FSDP2 / FSDP1."""
+    import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     model = make_lora_model()
-    logs = trainer_run(model, [make_lora_callback()], f"{out}/lora_ddp", per_device_batch=ROWS // 2)
+    logs = trainer_run(
+        model, [make_lora_callback()], f"{out}/lora_ddp", per_device_batch=ROWS // 2, save_steps=RESUME_STEP
+    )
     results = {"lora_ddp_logs": logs, "lora_ddp_params": trainable(model)}
+    saved, moved = Path(out, "lora_ddp", f"checkpoint-{RESUME_STEP}"), Path(out, "lora_ddp_copy", "my-checkpoint")
+    results["lora_ddp_saved_files"] = sorted(p.name for p in saved.glob("cfp_theta0*"))
+    if dist.get_rank() == 0:
+        shutil.copytree(saved, moved)
+    dist.barrier()
+    resumed = make_lora_model()  # resumed by a new Trainer and callback into a fresh output_dir
+    results["lora_ddp_resumed_logs"] = trainer_run(
+        resumed, [make_lora_callback()], f"{out}/lora_ddp_resumed", per_device_batch=ROWS // 2, resume=str(moved)
+    )
+    results["lora_ddp_resumed_params"] = trainable(resumed)
     fsdp2 = make_lora_model()
     for layer in fsdp2.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh)
