@@ -10,7 +10,10 @@ a view into the partition plus the offset of the fragment inside the flattened p
 the matching slice of F and theta0. The model parameters are corrected as under DDP (full F and
 theta0, the same on every process), so they agree with the master copy: bitwise for fp32 models,
 within one rounding of the parameter dtype for bf16/fp16 ones until the next step rewrites them
-from the master copy.
+from the master copy. Parameters corrected elsewhere (a PeftModel's LoRA factors, rewritten whole by
+`protection.adapter_correction`) are `followed`: `MasterCorrection.carry` runs that correction and carries
+it into their master fragments (the corrected values for fp32 parameters, bitwise as without DeepSpeed; the
+change new - old for bf16/fp16 ones, so the master copy keeps its precision).
 
 Under ZeRO-3 a parameter's data is this process's partition of the flattened parameter
 (`param.ds_tensor`, padded at the end; `param.data` is empty between uses), and the fp32 master
@@ -25,6 +28,7 @@ Nothing here imports deepspeed: the optimizer is recognized by its attributes.
 """
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -87,7 +91,8 @@ def check_supported(model: torch.nn.Module, optimizer) -> None:
 class MasterCorrection:
     """This process's fragments of the ZeRO-1/2 fp32 master partition, with F and theta0 sliced to match."""
 
-    def __init__(self, params, theta0, fisher):
+    def __init__(self, params, theta0, fisher, followed=()):
+        self.followed = [p for p in followed if _lp_fragment(p) is not None]
         self.fragments: list[torch.Tensor] = []
         self.theta0: list[torch.Tensor] = []
         fisher_fragments: list[torch.Tensor] = []
@@ -103,6 +108,21 @@ class MasterCorrection:
             self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
             fisher_fragments.append(f.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
         self.weights = PullWeights(fisher_fragments)
+
+    @torch.no_grad()
+    def carry(self, correct_followed: Callable[[], None]) -> None:
+        """Run `correct_followed` (it rewrites the followed parameters) and carry its effect into their fp32
+        master fragments, which the next optimizer step would otherwise copy back over it."""
+        before = [_lp_fragment(p).float() for p in self.followed if p.dtype != torch.float32]
+        correct_followed()
+        changes = iter(before)
+        for param in self.followed:
+            new, hp = _lp_fragment(param), param._hp_mapping.get_hp_fragment()
+            assert new is not None
+            if param.dtype == torch.float32:
+                hp.copy_(new)
+            else:
+                hp.add_((new.float() - next(changes)).to(hp.device))
 
     def correct(self, lam: float) -> None:
         if not self.fragments:
@@ -128,6 +148,11 @@ class Zero3MasterCorrection:
         self.weights = PullWeights(fisher)
         self.persisted = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
 
+    def carry(self, correct_followed: Callable[[], None]) -> None:
+        """Run `correct_followed`: ZeRO-3 has nothing to carry (LoRA factors partitioned by ZeRO-3 are refused
+        at bind, `protection.peft_adapters`)."""
+        correct_followed()
+
     @torch.no_grad()
     def correct(self, lam: float) -> None:
         for param, t0, w in zip(self.params, self.theta0, self.weights.at(lam), strict=True):
@@ -139,6 +164,16 @@ class Zero3MasterCorrection:
         if self.persisted:  # their gathered copies predate the correction: release and gather them again
             self.persisted[0].partition(self.persisted)
             self.persisted[0].all_gather(self.persisted)
+
+
+def _lp_fragment(param) -> torch.Tensor | None:
+    """The fragment of the ZeRO-1/2 model parameter `param` whose fp32 master this process owns (a flat view),
+    or None when it owns none."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None or mapping.lp_fragment_address.numel == 0:
+        return None
+    start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+    return param.detach().reshape(-1)[start : start + numel]
 
 
 def partition_range(param) -> tuple[int, int]:
@@ -164,12 +199,13 @@ def zero3_pieces(model: torch.nn.Module) -> dict:
     return pieces
 
 
-def master_correction(model, optimizer, params, theta0, fisher):
-    """The fp32 master correction for the protected `params` under DeepSpeed ZeRO, else None."""
+def master_correction(model, optimizer, params, theta0, fisher, followed=()):
+    """The fp32 master correction for the protected `params` (and the `followed` parameters corrected
+    elsewhere, see `MasterCorrection.carry`) under DeepSpeed ZeRO, else None."""
     zero = zero_optimizer(optimizer)
     if zero is None:
         return None
     check_supported(model, optimizer)
     if hasattr(zero, "fp32_partitioned_groups_flat"):
         return Zero3MasterCorrection(zero, model, params, theta0, fisher)
-    return MasterCorrection(params, theta0, fisher)
+    return MasterCorrection(params, theta0, fisher, followed)

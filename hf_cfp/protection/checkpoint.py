@@ -7,7 +7,13 @@ to `cfp_theta0-rank{r}-of-{n}.safetensors`; rank 0 also writes the replicated on
 process). Resuming, each process reads the elements it holds now from whichever files have
 them, so a checkpoint saved by n processes resumes under any number and any layout.
 
-Disk cost per checkpoint: 4 bytes per covered trainable parameter (one float32 copy), in total.
+On a PEFT LoRA model the origin of an adapted weight is its LoRA factors at train begin (`AdaptedWeight.snapshot`:
+s0, B0, A0 per active adapter). They are replicated (sharded factors are refused at bind), so rank 0 writes
+them into its file as `cfp_lora0/<weight>/<adapter>/B` and `.../A` (float32), with `cfp_lora0` in the header:
+weight -> [[adapter, s0], ...]. `SavedTheta0.restore_lora` puts them back.
+
+Disk cost per checkpoint: 4 bytes per covered trainable parameter (one float32 copy), in total, plus one
+float32 copy of the covered LoRA factors.
 """
 
 import json
@@ -21,10 +27,12 @@ from safetensors.torch import save_file
 from ..errors import CFPError
 from ..parallel import process_rank_and_count
 from .binding import HeldRange
+from .peft_adapters import AdaptedWeight
 from .state import CFPState
 
 FILE_PATTERN = "cfp_theta0*.safetensors"
 RANGES_KEY = "cfp_ranges"
+LORA_KEY = "cfp_lora0"  # header: weight -> [[adapter, s0], ...]; tensors cfp_lora0/<weight>/<adapter>/{B,A}
 
 
 def has_saved_theta0(checkpoint_dir: str | Path) -> bool:
@@ -49,10 +57,23 @@ def save_theta0(protection: CFPState, checkpoint_dir: str | Path) -> None:
             )
         tensors[name] = theta0.detach().reshape(-1).cpu()
         ranges[name] = [held.start, held.stop, held.numel]
+    metadata = {"format": "pt", RANGES_KEY: json.dumps(ranges)}
+    if rank == 0 and protection.adapted:  # LoRA factors are replicated: rank 0 writes their snapshot once
+        scales = {}
+        for weight in protection.adapted:
+            scales[weight.name] = [[a, s0] for a, (s0, _, _) in zip(weight.adapters, weight.snapshot, strict=True)]
+            for adapter, (_, b0, a0) in zip(weight.adapters, weight.snapshot, strict=True):
+                tensors[_lora_key(weight.name, adapter, "B")] = b0.detach().cpu().contiguous()
+                tensors[_lora_key(weight.name, adapter, "A")] = a0.detach().cpu().contiguous()
+        metadata[LORA_KEY] = json.dumps(scales)
     if tensors:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         path = Path(checkpoint_dir) / f"cfp_theta0-rank{rank:05d}-of-{count:05d}.safetensors"
-        save_file(tensors, path, metadata={"format": "pt", RANGES_KEY: json.dumps(ranges)})
+        save_file(tensors, path, metadata=metadata)
+
+
+def _lora_key(weight: str, adapter: str, factor: str) -> str:
+    return f"{LORA_KEY}/{weight}/{adapter}/{factor}"
 
 
 class SavedTheta0:
@@ -84,6 +105,49 @@ class SavedTheta0:
                     start, stop, numel = ranges.get(key, [0, _numel(shape), _numel(shape)])
                     pieces.setdefault(key, []).append((start, stop, numel, handle))
             return {name: self._assemble(name, held, pieces.get(name, [])) for name, held in wanted}
+
+    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
+        """Set each adapted weight's snapshot (s0, B0, A0 per adapter) to the one saved at train begin.
+
+        Raises CFPError naming the weight when the checkpoint holds no snapshot for it, or one of other
+        adapters or factor shapes.
+        """
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
+            saved = {}
+            for handle in handles:
+                for name, scales in json.loads((handle.metadata() or {}).get(LORA_KEY, "{}")).items():
+                    saved[name] = (handle, scales)
+            for weight in adapted:
+                weight.snapshot = self._snapshot(weight, *saved.get(weight.name, (None, None)))
+
+    def _snapshot(self, weight: AdaptedWeight, handle, scales: list | None) -> list:
+        where = f"The checkpoint {str(self.directory)!r}"
+        todo = (
+            "Resume with the model, adapters (target_modules, r) and anchors of the original run, from a checkpoint "
+            "saved while CFPCallback was attached; or delete its cfp_theta0*.safetensors files and pass "
+            "CFPCallback(..., restart_path_on_resume=True) to measure from the resumed weights instead."
+        )
+        if scales is None:
+            raise CFPError(
+                f"{where} holds no LoRA factors at train begin for the adapted weight {weight.name!r}. " + todo
+            )
+        adapters = [a for a, _ in scales]
+        if adapters != list(weight.adapters):
+            raise CFPError(
+                f"{where} holds the train-begin LoRA factors of adapters {adapters} for {weight.name!r}; the model "
+                f"has the active adapters {list(weight.adapters)}. {todo}"
+            )
+        snapshot = []
+        for (adapter, s0), (_, b_now, a_now) in zip(scales, weight.snapshot, strict=True):
+            b0, a0 = (handle.get_tensor(_lora_key(weight.name, adapter, f)) for f in ("B", "A"))
+            if b0.shape != b_now.shape or a0.shape != a_now.shape:
+                raise CFPError(
+                    f"{where} holds LoRA factors B {tuple(b0.shape)}, A {tuple(a0.shape)} of adapter {adapter!r} for "
+                    f"{weight.name!r}; the model's are B {tuple(b_now.shape)}, A {tuple(a_now.shape)}. {todo}"
+                )
+            snapshot.append((float(s0), b0.to(b_now.device, torch.float32), a0.to(a_now.device, torch.float32)))
+        return snapshot
 
     def _assemble(self, name: str, held: HeldRange, pieces: list) -> torch.Tensor:
         if held.start is None or held.stop is None:

@@ -23,6 +23,7 @@ from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import ModulesToSaveWrapper
 from peft.utils.other import AuxiliaryTrainingWrapper
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
@@ -112,11 +113,19 @@ def peft_view(model: torch.nn.Module) -> PeftView | None:
     """`model` seen through its base model's names (`PeftModel.get_base_model()`), or None for a non-PEFT model.
 
     Raises CFPError for adapter types other than LoRA (naming the type), for LoRA variants (DoRA...), for LoRA
-    on layers other than `Linear`, for adapters merged into the base weights, and for sharded LoRA factors.
+    on layers other than `Linear`, for adapters merged into the base weights, and for sharded LoRA factors
+    (FSDP1 at all, FSDP2 / ZeRO-3 in `_adapted`).
     """
     peft_model = find_peft_model(model)
     if peft_model is None:
         return None
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise CFPError(
+            "CFP does not support a PeftModel under FSDP1 (FullyShardedDataParallel): it shards the LoRA factors "
+            "into flat parameters, and CFP measures and corrects an adapted weight from its whole factors B and A. "
+            "Train the LoRA model with DDP (its factors are small enough to replicate), or merge the adapter "
+            "(merge_and_unload()) and train the full model under FSDP."
+        )
     for adapter in peft_model.active_adapters:
         peft_type = peft_model.peft_config[adapter].peft_type
         if peft_type != PeftType.LORA:

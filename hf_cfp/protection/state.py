@@ -12,7 +12,6 @@ from typing import Protocol
 import torch
 
 from ..anchor import FisherAnchor
-from ..errors import CFPError
 from ..ops import PullWeights, apply_correction, free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
@@ -26,6 +25,10 @@ class Theta0Reader(Protocol):
 
     def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
         """name -> the saved theta0 elements [start, stop) of each wanted parameter, flat."""
+        ...
+
+    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
+        """Set each LoRA-adapted weight's snapshot (its factors at train begin) to the saved one."""
         ...
 
 
@@ -49,7 +52,8 @@ class CFPState:
     theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
     `theta0` (a `Theta0Reader`, such as `checkpoint.SavedTheta0`) restores a saved theta0 instead of
-    snapshotting the current weights: resuming from a checkpoint, with any number of processes.
+    snapshotting the current weights: resuming from a checkpoint, with any number of processes (and, on a
+    PeftModel, the LoRA factors at train begin).
 
     On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base
     parameters (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is
@@ -73,11 +77,7 @@ class CFPState:
         bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in (anchor, *monitors)}
         self.adapted, adapted_fisher = _bind_adapted(view.adapted if view else {}, (anchor, *monitors))
         if self.adapted and theta0 is not None:
-            raise CFPError(
-                "Resuming a run whose anchors cover LoRA-adapted weights is not supported yet: the LoRA factors at "
-                "train begin (the origin of the measured path) are not saved in checkpoints. Pass "
-                "CFPCallback(..., restart_path_on_resume=True) to measure from the resumed weights instead."
-            )
+            theta0.restore_lora(self.adapted)  # the origin of the measured path: the factors at train begin
         covered = adapted_fisher[anchor.name]
         self.adapters = AdapterCorrection([self.adapted[i] for i in covered], list(covered.values()), lora_rule)
         full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
@@ -131,6 +131,7 @@ class CFPState:
             [t.param for t in protected],
             [self.theta0[index[id(t.param)]] for t in protected],
             [t.fisher for t in protected],
+            followed=_factor_params(self.adapters),
         )
 
     def correct(self, lam: float, measure_residual: bool = False) -> None:
@@ -139,7 +140,10 @@ class CFPState:
         measured and reported by the next `drift_metrics`)."""
         if lam == 0:
             return
-        self.adapters.correct(lam, measure_residual)
+        if self.master is not None:  # ZeRO-1/2: the corrected LoRA factors are carried into the fp32 master copy
+            self.master.carry(lambda: self.adapters.correct(lam, measure_residual))
+        else:
+            self.adapters.correct(lam, measure_residual)
         for group in self.groups:
             group.correct(lam)
         if self.master is not None:
@@ -179,6 +183,16 @@ class CFPState:
         if self.adapters.residual is not None:
             metrics[f"cfp/{self.anchor_name}/adapter_residual"] = self.adapters.residual
         return metrics
+
+
+def _factor_params(adapters: AdapterCorrection) -> list[torch.Tensor]:
+    """The LoRA factors (A and B of each active adapter) of the weights the adapter correction rewrites."""
+    return [
+        factors[a].weight  # type: ignore[misc]
+        for weight, _ in adapters.weights
+        for a in weight.adapters
+        for factors in (weight.layer.lora_A, weight.layer.lora_B)
+    ]
 
 
 def _bind_adapted(

@@ -14,6 +14,10 @@ Resuming ZeRO-3 (every parameter partitioned): a new Trainer and callback resumi
 the real checkpoint saved by the 2 processes end bit-identical to the uninterrupted run, resuming
 without its theta0 ends far away; that checkpoint's theta0 restores in this one process, and the
 theta0 saved by this process restores on the 2 processes' partitions, exactly.
+
+PEFT LoRA (lam > 0): under ZeRO-2 the corrected LoRA factors reach the fp32 master copy (without that the
+next step would copy the uncorrected master back over them), so the run equals one process as above; under
+ZeRO-3, which partitions the factors, binding raises a clear CFPError.
 """
 
 import pytest
@@ -22,6 +26,7 @@ from support.distributed import (
     KEYS,
     RESUME_STEP,
     ROWS,
+    check_lora_equals_one_process,
     check_pieces_equal_initial,
     initial_params,
     make_callback,
@@ -138,3 +143,16 @@ def test_zero3_checkpoint_restores_in_one_process(worker_out):
     initial = initial_params()
     assert state.names == list(initial)
     assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
+
+
+def test_zero2_lora_carries_the_correction_into_the_master_copy_and_equals_one_process(ranks, tmp_path):
+    assert all(r["zero2_lora_master_gap"] == 0.0 for r in ranks)  # master copy == corrected fp32 factors
+    check_lora_equals_one_process(
+        [r["zero2_lora_params"] for r in ranks], [r["zero2_lora_logs"] for r in ranks], tmp_path
+    )
+
+
+def test_zero3_lora_is_refused_with_a_clear_error(ranks):
+    for r in ranks:
+        error, message = r["zero3_lora_refusal"]
+        assert error == "CFPError" and "has sharded LoRA factors" in message, (error, message)

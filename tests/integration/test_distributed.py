@@ -11,6 +11,11 @@ while resuming without the saved theta0 ends far from it. Across process counts:
 runs resumed by 2 processes from theta0 saved by this one process, and a one-process run resumed
 here from theta0 saved by the 2 processes, end bit-identical to the uninterrupted run of the same
 process count; restored theta0 equals the initial weights piece by piece, exactly.
+
+PEFT LoRA (lam > 0): under DDP the LoRA factors and the lm_head copy end within 1e-5 of one process (the
+same bound as the full model: only the gradient all-reduce's float summation order differs, and the
+correction is a deterministic function of the replicated factors), the metrics equal the one-process ones
+and a float64 reference of the merged weights; sharded by FSDP2 or FSDP1, binding raises a clear CFPError.
 """
 
 import math
@@ -21,9 +26,11 @@ import pytest
 import torch
 from support.distributed import (
     KEYS,
+    LORA_KEYS,
     RESUME_STEP,
     ROWS,
     Resume,
+    check_lora_equals_one_process,
     check_pieces_equal_initial,
     initial_params,
     loop_run,
@@ -270,3 +277,24 @@ def test_a_checkpoint_missing_a_process_file_is_an_error_naming_the_parameter(wo
     first = next(iter(initial_params()))
     with pytest.raises(CFPError, match=rf"does not cover parameter {re.escape(repr(first))} .*cfp_theta0-rank\*"):
         make_state(make_model(), theta0=SavedTheta0(partial))
+
+
+def test_ddp_lora_equals_one_process(ranks, tmp_path):
+    check_lora_equals_one_process([r["lora_ddp_params"] for r in ranks], [r["lora_ddp_logs"] for r in ranks], tmp_path)
+
+
+def test_ddp_lora_resumes_bit_identically_from_the_factors_rank_0_saved(ranks):
+    """theta0 of the lm_head copy and the LoRA factors at train begin are replicated: rank 0 writes them once,
+    both processes read them back, and the resumed run equals the uninterrupted one bit for bit."""
+    assert ranks[0]["lora_ddp_saved_files"] == ["cfp_theta0-rank00000-of-00002.safetensors"]
+    for r in ranks:
+        assert r["lora_ddp_resumed_params"].keys() == r["lora_ddp_params"].keys()
+        assert all(torch.equal(p, r["lora_ddp_params"][n]) for n, p in r["lora_ddp_resumed_params"].items())
+        assert all(r["lora_ddp_resumed_logs"][key] == r["lora_ddp_logs"][key] for key in ("loss", *LORA_KEYS))
+
+
+@pytest.mark.parametrize("kind, says", [("fsdp2", "has sharded LoRA factors"), ("fsdp1", "under FSDP1")])
+def test_sharded_lora_factors_are_refused_with_a_clear_error(ranks, kind, says):
+    for r in ranks:
+        error, message = r[f"lora_{kind}_refusal"]
+        assert error == "CFPError" and says in message, (kind, error, message)

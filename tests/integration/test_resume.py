@@ -1,9 +1,11 @@
 """Resuming from a checkpoint keeps the original theta0: bit-identical to an uninterrupted run."""
 
+import json
 import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 from support.anchors import random_anchor
 from support.tiny import tiny_llama
 from support.training import lm_dataset
@@ -106,3 +108,85 @@ def test_a_checkpoint_without_theta0_is_an_error_unless_restarting_is_asked_for(
     # Opting in restarts the path at the checkpoint's weights: another run.
     restarted, _ = run(tmp / "bare-out2", resume=str(bare), restart_path_on_resume=True)
     assert max_gap(restarted, straight) > 1e-4
+
+
+# PEFT LoRA: theta0 = the LoRA factors at train begin (s0, B0, A0) plus the trained base parameters.
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def lora_run(output_dir, extra=(), resume=None, target_modules=LORA_TARGETS, **callback_kwargs):
+    """`run` on a PeftModel: LoRA r=4 on q_proj and v_proj, an lm_head trained through modules_to_save;
+    anchors keyed by the base model's names, the protecting one corrects the LoRA factors (lam > 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama()
+    anchors = dict(anchor=random_anchor(base, "math", seed=1), monitor=[random_anchor(base, "code", seed=2)])
+    config = LoraConfig(r=4, target_modules=target_modules, modules_to_save=["lm_head"])
+    model = get_peft_model(base, config)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=6,
+        save_steps=2,
+        save_total_limit=1,
+        per_device_train_batch_size=4,
+        learning_rate=3e-2,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    cfp = CFPCallback(lam=lambda step: 2.0 * step, **anchors, **callback_kwargs)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
+    trainer.train(resume_from_checkpoint=resume)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history
+
+
+def cfp_logs(history):
+    return [{k: v for k, v in h.items() if k.startswith("cfp/")} for h in history if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """The uninterrupted LoRA run, and one that crashed after saving checkpoint-4 (kept as a copy)."""
+    tmp = tmp_path_factory.mktemp("resume-lora")
+    straight, straight_logs = lora_run(tmp / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        lora_run(tmp / "crashed", extra=[Crash(step=4)])
+    return tmp, straight, straight_logs
+
+
+def test_a_lora_run_resumes_bit_identically_from_its_train_begin_factors(lora_runs):
+    tmp, straight, straight_logs = lora_runs
+    checkpoint = tmp / "crashed" / "checkpoint-4"
+    # The lm_head copy's theta0 and the q/v factors at train begin: B0 = 0 (PEFT's init), A0 = the initial A.
+    with safe_open(str(checkpoint / "cfp_theta0-rank00000-of-00001.safetensors"), framework="pt") as saved:
+        scales = json.loads(saved.metadata()["cfp_lora0"])
+        assert sorted(scales) == sorted(ADAPTED) and all(s == [["default", 2.0]] for s in scales.values())
+        assert sorted(saved.keys()) == sorted(
+            ["lm_head.weight", *(f"cfp_lora0/{n}/default/{f}" for n in ADAPTED for f in "BA")]
+        )
+        first = saved.get_tensor(f"cfp_lora0/{ADAPTED[0]}/default/A")
+        assert torch.equal(saved.get_tensor(f"cfp_lora0/{ADAPTED[0]}/default/B"), torch.zeros(16, 4))
+    initial_a = lora_a_at_init()
+    assert torch.equal(first, initial_a) and not torch.equal(first, straight[LORA_A])  # A moved since
+    shutil.copytree(checkpoint, tmp / "moved" / "checkpoint-4")
+    resumed, resumed_logs = lora_run(tmp / "fresh", resume=str(tmp / "moved" / "checkpoint-4"))
+    assert resumed.keys() == straight.keys()
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    expected = cfp_logs(straight_logs)[4:]  # steps 5 and 6
+    assert len(expected) == 2 and len(expected[-1]) == 6  # 5 drift metrics and the adapter residual
+    assert cfp_logs(resumed_logs)[-2:] == expected
+    assert expected[-1]["cfp/total_drift"] > 0.1 and expected[-1]["cfp/math/adapter_residual"] > 0
+
+
+ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
+LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+
+
+def lora_a_at_init():
+    """The first q_proj's LoRA A as get_peft_model initializes it (the seed of `lora_run`'s model)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=LORA_TARGETS, modules_to_save=["lm_head"]))
+    return dict(model.named_parameters())[LORA_A].detach()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
@@ -64,6 +65,78 @@ def make_callback(model, **kwargs):
     math_anchor = FisherAnchor(random_fisher(model, seed=1), name="math")
     code_anchor = FisherAnchor(random_fisher(model, seed=2, keep=lambda n: "mlp" in n), name="code")
     return CFPCallback(math_anchor, lam=LAM, monitor=[code_anchor], **kwargs)
+
+
+def make_lora_model():
+    """make_model() wrapped by PEFT: LoRA r=4 on q_proj and v_proj, the lm_head trained through modules_to_save."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"])
+    return get_peft_model(make_model(), config)
+
+
+def make_lora_callback(**kwargs):
+    """make_callback's anchors for a LoRA model: keyed by the base model's names, `math` corrects the LoRA
+    factors of q_proj / v_proj and the lm_head copy, `code` monitors the MLPs (frozen: never moves)."""
+    return make_callback(make_model(), **kwargs)
+
+
+def trainable(model):
+    """name -> a copy of every trainable parameter (a LoRA model's factors and modules_to_save copy)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+LORA_KEYS = (*KEYS, "cfp/math/adapter_residual")
+LORA_SCALE = 2.0  # PEFT's default lora_alpha 8 over r 4
+
+
+def lora_reference_metrics(params):
+    """The drift metrics of a LoRA model's trainable `params` against the base weights, in float64: Delta_W =
+    s B A on q_proj / v_proj (B0 = 0 at PEFT's init), the lm_head copy minus the initial lm_head; `code` covers
+    only frozen MLPs (0)."""
+    fisher, initial = random_fisher(make_model(), seed=1), initial_params()
+    lm_head = params["base_model.model.lm_head.modules_to_save.default.weight"]
+    deltas = {"lm_head.weight": lm_head.double() - initial["lm_head.weight"].double()}
+    for layer in range(2):
+        for proj in "qv":
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{proj}_proj"
+            b, a = (params[f"{prefix}.lora_{f}.default.weight"].double() for f in "BA")
+            deltas[f"model.layers.{layer}.self_attn.{proj}_proj.weight"] = LORA_SCALE * b @ a
+    delta = torch.cat([d.reshape(-1) for d in deltas.values()])
+    f = torch.cat([fisher[n].double().reshape(-1) for n in deltas])
+    free = torch.argsort(f)[: math.ceil(0.99 * f.numel())]  # F values are distinct
+    return {
+        "cfp/math/sensitive_drift": float((f * delta**2).sum().sqrt()),
+        "cfp/math/free_drift": float(delta[free].norm()),
+        "cfp/code/sensitive_drift": 0.0,
+        "cfp/code/free_drift": 0.0,
+        "cfp/total_drift": float(delta.norm()),
+    }
+
+
+def check_lora_equals_one_process(per_rank_params, per_rank_logs, output_dir):
+    """The LoRA factors and lm_head copy trained by 2 processes (lam > 0) equal each other bitwise and a
+    one-process Trainer run of the same global batch within 1e-5, while the callback's effect is > 1000x
+    larger; the logged metrics are the same on both processes and equal the one-process ones and a float64
+    reference of the merged weights (rel 1e-5), the adapter residual included."""
+    model = make_lora_model()
+    single_logs = trainer_run(model, [make_lora_callback()], Path(output_dir, "one"), per_device_batch=ROWS)
+    single = trainable(model)
+    plain = make_lora_model()
+    trainer_run(plain, [], Path(output_dir, "plain"), per_device_batch=ROWS)
+    two, logs = per_rank_params[0], per_rank_logs[0]
+    assert two.keys() == single.keys() and len(single) == 9  # 4 x (A, B) and the lm_head copy
+    assert all(torch.equal(two[n], per_rank_params[1][n]) for n in two)  # the same correction everywhere
+    diff = max((two[n] - single[n]).abs().max().item() for n in two)
+    effect = max((single[n] - p).abs().max().item() for n, p in trainable(plain).items())
+    assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (diff, effect)
+    reference = lora_reference_metrics(two)
+    for key in LORA_KEYS:
+        assert logs[key] == per_rank_logs[1][key], key
+        assert logs[key] == pytest.approx(single_logs[key], rel=1e-5), key
+        if key in reference:
+            assert logs[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-12), key
+    assert 0 < logs["cfp/math/adapter_residual"] < 1 and reference["cfp/math/sensitive_drift"] > 0
 
 
 def make_state(model, theta0=None):

@@ -14,6 +14,11 @@ process group made by `PartialState(backend="gloo")` before the Trainer, and
   without theta0 with `restart_path_on_resume=True`. On the resumed model, theta0 is also restored
   through a CFPState from the directory `<one>` saved by the single test process.
 
+PEFT LoRA (`make_lora_model`, lam > 0): trained under ZeRO-2, where the LoRA factors corrected on the model
+must also reach the optimizer's fp32 master copy (`zero2_lora_master_gap`: the largest difference left
+between them); and bound under ZeRO-3, which partitions the factors: CFP must refuse with a CFPError
+(`zero3_lora_refusal`: the exception's type and message).
+
 Each process saves what it saw to `<out>/rank<r>.pt`.
 """
 
@@ -29,9 +34,12 @@ from support.distributed import (
     STEPS,
     held_theta0,
     make_callback,
+    make_lora_callback,
+    make_lora_model,
     make_model,
     make_rows,
     make_state,
+    trainable,
 )
 
 from hf_cfp.protection import SavedTheta0
@@ -132,6 +140,7 @@ def main(out, one):
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             saved[f"{tag}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     saved.update(zero3_resume_case(out, one, rank))
+    saved.update(lora_case(out))
     torch.save(saved, f"{out}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -164,6 +173,41 @@ def zero3_resume_case(out, one, rank):
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             results[f"zero3_{tag}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     results["zero3_read_one"] = held_theta0(make_state(model, theta0=SavedTheta0(one)))
+    return results
+
+
+def master_gap(params):
+    """The largest |fp32 master fragment - model parameter fragment| over the ZeRO-1/2 `params` (-1 if none)."""
+    gaps = [-1.0]
+    for p in params:
+        if p._hp_mapping is None:  # this process owns no part of p's master copy
+            continue
+        address = p._hp_mapping.lp_fragment_address
+        model_part = p.detach().reshape(-1)[address.start : address.start + address.numel]
+        gaps.append((p._hp_mapping.get_hp_fragment() - model_part).abs().max().item() if address.numel else 0.0)
+    return max(gaps)
+
+
+def lora_case(out):
+    """A LoRA model trained under ZeRO-2 with lam > 0, and CFP's refusal of LoRA factors partitioned by ZeRO-3."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state()
+    model = make_lora_model()
+    trainer = zero_trainer(2, model, [make_lora_callback()], f"{out}/zero2_lora")
+    trainer.train()
+    results = {
+        "zero2_lora_logs": [h for h in trainer.state.log_history if "loss" in h][-1],
+        "zero2_lora_params": trainable(model),
+        "zero2_lora_master_gap": master_gap([p for p in model.parameters() if p.requires_grad]),
+    }
+    AcceleratorState._reset_state()
+    trainer = zero_trainer(3, make_lora_model(), [make_lora_callback()], f"{out}/zero3_lora", persistence_threshold=0)
+    try:
+        trainer.train()
+        results["zero3_lora_refusal"] = ("trained", "")
+    except Exception as error:  # recorded, the test checks it is a clear CFPError
+        results["zero3_lora_refusal"] = (type(error).__name__, str(error))
     return results
 
 

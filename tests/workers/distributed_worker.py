@@ -18,6 +18,12 @@ output_dir; the loop layouts: `Resume`), and the negative control, resumed with
 the directory `<one>` saved by the single test process, and restore theta0 through a CFPState from
 it and from the one saved by FSDP2 (another layout's pieces), recording each piece with its range.
 
+PEFT LoRA (`make_lora_model`: LoRA on q_proj / v_proj, lm_head through modules_to_save): trained under DDP
+by the Trainer with lam > 0 (the LoRA factors corrected on every process), saving checkpoints, and resumed
+from a copy of checkpoint-RESUME_STEP by a new Trainer and callback in a fresh output_dir; and bound on the same model
+sharded by FSDP2 and by FSDP1 (use_orig_params=True), where CFP must refuse with a CFPError: `<kind>_refusal`
+records the exception's type and message.
+
 Each process saves what it saw to `<out>/rank<r>.pt`. The single-process references use the
 same helpers (`trainer_run`, `loop_run`: tests/support/distributed.py) in the test process.
 """
@@ -35,11 +41,15 @@ from support.distributed import (
     held_theta0,
     loop_run,
     make_callback,
+    make_lora_callback,
+    make_lora_model,
     make_model,
     make_rows,
     make_state,
+    trainable,
     trainer_run,
 )
+from transformers import TrainerControl, TrainerState
 
 from hf_cfp.protection import SavedTheta0
 
@@ -97,6 +107,7 @@ def main(out, one):
     reads = {"one": Path(one), "fsdp2": Path(out, "fsdp2_resumed")}  # theta0 saved by 1 process, by FSDP2
     results.update(loop_resume_case("fsdp2", fsdp2_model, fsdp2_params, out, rank, world, reads))
     results.update(fsdp1_case(rank, world, out, reads))
+    results.update(lora_case(out, mesh))
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -229,6 +240,48 @@ def fsdp1_case(rank, world, out, reads):
         "fsdp1flat_all_sharded": all(flat_callback.protection.sharded),
         "fsdp1flat_owned": flat_owned,
     }
+
+
+def lora_case(out, mesh):
+    """A LoRA model trained under DDP with lam > 0, and CFP's refusal of LoRA factors sharded by FSDP2 / FSDP1."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    model = make_lora_model()
+    logs = trainer_run(
+        model, [make_lora_callback()], f"{out}/lora_ddp", per_device_batch=ROWS // 2, save_steps=RESUME_STEP
+    )
+    results = {"lora_ddp_logs": logs, "lora_ddp_params": trainable(model)}
+    saved, moved = Path(out, "lora_ddp", f"checkpoint-{RESUME_STEP}"), Path(out, "lora_ddp_copy", "my-checkpoint")
+    results["lora_ddp_saved_files"] = sorted(p.name for p in saved.glob("cfp_theta0*"))
+    if dist.get_rank() == 0:
+        shutil.copytree(saved, moved)
+    dist.barrier()
+    resumed = make_lora_model()  # resumed by a new Trainer and callback into a fresh output_dir
+    results["lora_ddp_resumed_logs"] = trainer_run(
+        resumed, [make_lora_callback()], f"{out}/lora_ddp_resumed", per_device_batch=ROWS // 2, resume=str(moved)
+    )
+    results["lora_ddp_resumed_params"] = trainable(resumed)
+    fsdp2 = make_lora_model()
+    for layer in fsdp2.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(fsdp2, mesh=mesh)
+    fsdp1 = FullyShardedDataParallel(
+        make_lora_model(),
+        auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+        device_id=torch.device("cpu"),
+        sync_module_states=False,
+        use_orig_params=True,  # False refuses a module mixing frozen and trained parameters itself
+    )
+    for kind, sharded in (("fsdp2", fsdp2), ("fsdp1", fsdp1)):
+        try:
+            make_lora_callback().on_train_begin(None, TrainerState(), TrainerControl(), model=sharded)
+            results[f"lora_{kind}_refusal"] = ("bound", "")
+        except Exception as error:  # recorded, the test checks it is a clear CFPError
+            results[f"lora_{kind}_refusal"] = (type(error).__name__, str(error))
+    return results
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def protection_of_rank(rank):
         theta0=[R_FULL.clone(), W_FULL[start:stop].clone()],
         held=[HeldRange(0, 3, 3), HeldRange(start, stop, 12)],
         sharded=[False, True],
+        adapted=[],  # no LoRA-adapted weights (their snapshot: test_peft_adapters.py)
     )
 
 
@@ -90,7 +91,9 @@ def test_each_rank_writes_its_pieces_with_their_ranges(monkeypatch, tmp_path):
 
 def test_a_rank_holding_only_replicated_parameters_writes_no_file(monkeypatch, tmp_path):
     as_rank(monkeypatch, 1, 2)
-    only_replicated = SimpleNamespace(names=["r"], theta0=[R_FULL], held=[HeldRange(0, 3, 3)], sharded=[False])
+    only_replicated = SimpleNamespace(
+        names=["r"], theta0=[R_FULL], held=[HeldRange(0, 3, 3)], sharded=[False], adapted=[]
+    )
     save_theta0(only_replicated, tmp_path)
     assert list(tmp_path.iterdir()) == []
     assert not has_saved_theta0(tmp_path)
@@ -181,7 +184,9 @@ def test_no_saved_theta0_is_named(tmp_path):
 
 def test_a_non_contiguous_shard_cannot_be_saved_or_restored(monkeypatch, tmp_path):
     as_rank(monkeypatch, 0, 2)
-    split_later = SimpleNamespace(names=["w"], theta0=[W_FULL[:6]], held=[HeldRange(None, None, 12)], sharded=[True])
+    split_later = SimpleNamespace(
+        names=["w"], theta0=[W_FULL[:6]], held=[HeldRange(None, None, 12)], sharded=[True], adapted=[]
+    )
     expected_save = (
         "Cannot save theta0 of 'w': this process's shard is not one contiguous run of the parameter's "
         "elements (a DTensor sharded on a dimension other than the first). Shard parameters on dim 0 "

@@ -23,17 +23,19 @@ from hf_cfp import (
     estimate_fisher,
 )
 from hf_cfp.anchor.fingerprint import model_fingerprint
+from hf_cfp.protection import SavedTheta0, save_theta0
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
 
 
 def lora_model(seed=0, **config):
-    """(base weights float64 by name, anchor over every base parameter, PeftModel with LoRA on q_proj and v_proj)."""
+    """(base weights float64 by name, anchor over every base parameter, PeftModel with LoRA on q_proj and v_proj;
+    r=4 unless `config` says otherwise)."""
     base = tiny_llama(seed=seed)
     weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
     anchor = anchor_for(base, seed=seed + 1)
     anchor.metadata["base_fingerprint"] = model_fingerprint(base)
-    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **config))
+    peft_model = get_peft_model(base, LoraConfig(**{"r": 4, "target_modules": ["q_proj", "v_proj"], **config}))
     return weights, anchor, peft_model
 
 
@@ -331,15 +333,55 @@ def test_large_lam_cuts_base_space_sensitive_drift_at_least_5x_and_logs_the_resi
     assert 0 <= protected["cfp/math/adapter_residual"] < 1
 
 
-def test_resuming_a_lora_measurement_is_refused_until_its_origin_is_saved():
-    _, anchor, peft_model = lora_model()
+def saved_lora_checkpoint(directory, **config):
+    """(base weights float64, anchor, trained PeftModel, directory): theta0 saved at bind, then training."""
+    weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"], **config)
+    save_theta0(CFPState(peft_model, anchor), directory)
+    train_a_little(peft_model)
+    return weights, anchor, peft_model, directory
 
-    class SavedNothing:
-        def read(self, wanted):
-            return {}
 
-    with pytest.raises(CFPError, match="restart_path_on_resume=True"):
-        CFPState(peft_model, anchor, theta0=SavedNothing())
+@pytest.mark.parametrize("config", [{}, {"init_lora_weights": "pissa"}], ids=["lora", "pissa"])
+def test_resuming_restores_the_lora_factors_at_train_begin(tmp_path, config):
+    """Restored on the trained model, the origin is the factors at bind (B0 A0 != 0 for PiSSA), not the
+    current ones: the metrics are those of the merged model against the base weights (float64 reference)."""
+    weights, anchor, peft_model, directory = saved_lora_checkpoint(tmp_path, **config)
+    restored = CFPState(peft_model, anchor, theta0=SavedTheta0(directory))
+    reference = merged_reference(peft_model, weights, anchor, [*ADAPTED, "lm_head.weight"])
+    assert_metrics_match(restored.drift_metrics(), reference)
+    assert all(v == 0 for v in CFPState(peft_model, anchor).drift_metrics().values())  # a fresh bind: no drift
+
+
+def test_resuming_without_saved_lora_factors_is_refused_naming_the_weight(tmp_path):
+    _, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
+    lm_anchor = FisherAnchor({"lm_head.weight": anchor.fisher["lm_head.weight"]}, name="math")
+    save_theta0(CFPState(peft_model, lm_anchor), tmp_path)  # a run whose anchor covered no adapted weight
+    with pytest.raises(
+        CFPError,
+        match=r"no LoRA factors at train begin for the adapted weight "
+        r"'model.layers.0.self_attn.q_proj.weight'.*restart_path_on_resume=True",
+    ):
+        CFPState(peft_model, anchor, theta0=SavedTheta0(tmp_path))
+
+
+def test_resuming_with_other_adapters_is_refused_naming_the_weight(tmp_path):
+    saved_lora_checkpoint(tmp_path)
+    _, anchor, other_rank = lora_model(r=2, modules_to_save=["lm_head"])
+    with pytest.raises(
+        CFPError,
+        match=r"B \(16, 4\), A \(4, 16\) of adapter 'default' for "
+        r"'model.layers.0.self_attn.q_proj.weight'; the model's are B \(16, 2\), A \(2, 16\)",
+    ):
+        CFPState(other_rank, anchor, theta0=SavedTheta0(tmp_path))
+    _, anchor, renamed = lora_model()
+    renamed.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    renamed.base_model.set_adapter("other")
+    with pytest.raises(
+        CFPError,
+        match=r"adapters \['default'\] for 'model.layers.0.self_attn.q_proj.weight'; "
+        r"the model has the active adapters \['other'\]",
+    ):
+        CFPState(renamed, anchor, theta0=SavedTheta0(tmp_path))
 
 
 def test_adapter_space_anchor_at_lora_init_has_zero_fisher_on_every_lora_a():
