@@ -195,8 +195,10 @@ class CFPCallback(TrainerCallback):
         if self.protection is None:
             raise CFPError("CFPCallback.on_step_end before on_train_begin: the anchor was never bound to the model.")
         self._check_optimizer(kwargs.get("optimizer"))
-        # DefaultFlowCallback, first in the handler, has already decided whether this step logs
-        self.protection.correct(self.lam_at(state.global_step), measure_residual=control.should_log)
+        # DefaultFlowCallback, first in the handler, has already decided whether this step logs (a plain
+        # loop driving the callback may pass no TrainerControl: then no adapter residual is measured)
+        logs = bool(getattr(control, "should_log", False))
+        self.protection.correct(self.lam_at(state.global_step), measure_residual=logs)
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Refuse parameters added to the optimizer after bind: theta0 and F were taken for the

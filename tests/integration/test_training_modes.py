@@ -49,9 +49,9 @@ class CountCorrections:
         self.calls = []
         original = CFPState.correct
 
-        def counting(state, lam):
+        def counting(state, lam, **kwargs):
             self.calls.append(lam)
-            return original(state, lam)
+            return original(state, lam, **kwargs)
 
         monkeypatch.setattr(CFPState, "correct", counting)
 
