@@ -62,9 +62,11 @@ def quantized(path, bits="4bit"):
     return LlamaForCausalLM.from_pretrained(path, quantization_config=QUANTIZATION[bits], device_map=DEVICE)
 
 
-def qlora_model(path, bits="4bit"):
-    """The model saved at `path`, loaded quantized on DEVICE, with LoRA (r=4) on q_proj and v_proj."""
-    return get_peft_model(quantized(path, bits), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+def qlora_model(path, bits="4bit", seed=0):
+    """The model saved at `path`, loaded quantized on DEVICE, with LoRA (r=4) on q_proj and v_proj (A seeded)."""
+    model = quantized(path, bits)
+    torch.manual_seed(seed)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
 
 
 def lora_layers(peft_model):
@@ -211,30 +213,79 @@ def test_drift_equals_the_lora_factors_reference(base, bits):
         torch.testing.assert_close(weight.displacement().double().cpu(), effective, atol=1e-5, rtol=1e-4)
 
 
-def test_trainer_run_on_the_4bit_base_logs_the_drift(base, tmp_path):
-    path, anchor = base
-    peft_model = qlora_model(path)
-    at_bind = factors(peft_model)
+def train(peft_model, output_dir, callbacks=(), steps=4):
+    """A short Trainer run on random token rows (AdamW, lr 1e-2, logging every 2 steps); returns the Trainer."""
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for _ in range(8):
+    for _ in range(2 * steps):
         ids = torch.randint(0, 32, (12,), generator=gen)
         rows.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
     args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
+        output_dir=str(output_dir),
         use_cpu=DEVICE == "cpu",
         report_to=[],
-        logging_steps=4,
-        max_steps=4,
+        logging_steps=2,
+        max_steps=steps,
         per_device_train_batch_size=2,
         learning_rate=1e-2,
         save_strategy="no",
         disable_tqdm=True,
         seed=0,
     )
-    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=[CFPCallback(anchor, lam=0.0)])
+    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=list(callbacks))
     trainer.train()
+    return trainer
+
+
+def cfp_logs(trainer):
+    """The cfp/* metrics of the last logging step."""
     logged = [h for h in trainer.state.log_history if "loss" in h][-1]
-    assert logged["step"] == 4
-    reference = factor_reference(at_bind, factors(peft_model), anchor)
-    assert_metrics_match({k: v for k, v in logged.items() if k.startswith("cfp/")}, reference)
+    assert logged["step"] == trainer.state.max_steps
+    return {k: v for k, v in logged.items() if k.startswith("cfp/")}
+
+
+def test_trainer_run_on_the_4bit_base_logs_the_drift(base, tmp_path):
+    path, anchor = base
+    peft_model = qlora_model(path)
+    at_bind = factors(peft_model)
+    trainer = train(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)])
+    assert_metrics_match(cfp_logs(trainer), factor_reference(at_bind, factors(peft_model), anchor))
+
+
+def lora_parameters(peft_model):
+    return {n: p for n, p in peft_model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("rule", ["proximal_b", "least_squares_b", "factor_space"])
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_correction_on_the_quantized_base_equals_the_correction_on_the_full_precision_base(base, bits, rule):
+    """The correction reads only the factors and F: over the same factors it must match plain LoRA's."""
+    path, anchor = base
+    qlora = qlora_model(path, bits)
+    lora = get_peft_model(LlamaForCausalLM.from_pretrained(path), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in lora_parameters(lora).items():
+            p.copy_(lora_parameters(qlora)[name])
+    states = [CFPState(model, anchor, lora_rule=rule) for model in (qlora, lora)]
+    train_a_little(qlora, seed=2)
+    with torch.no_grad():
+        for name, p in lora_parameters(lora).items():
+            p.copy_(lora_parameters(qlora)[name])
+    before = states[0].drift_metrics()["cfp/math/sensitive_drift"]
+    for state in states:
+        state.correct(5.0, measure_residual=True)
+    for name, p in lora_parameters(lora).items():
+        torch.testing.assert_close(lora_parameters(qlora)[name].detach().cpu(), p.detach(), msg=name)
+    after = [state.drift_metrics() for state in states]
+    assert after[0]["cfp/math/sensitive_drift"] == pytest.approx(after[1]["cfp/math/sensitive_drift"], rel=1e-5)
+    assert after[0]["cfp/math/adapter_residual"] == pytest.approx(after[1]["cfp/math/adapter_residual"], rel=1e-4)
+    assert after[0]["cfp/math/sensitive_drift"] < 0.8 * before
+
+
+def test_trainer_run_with_a_large_lam_on_the_4bit_base_cuts_sensitive_drift(base, tmp_path):
+    path, anchor = base
+    free = cfp_logs(train(qlora_model(path), tmp_path / "free", [CFPCallback(anchor, lam=0.0)]))
+    protected = cfp_logs(train(qlora_model(path), tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)]))
+    assert protected["cfp/math/sensitive_drift"] * 5 <= free["cfp/math/sensitive_drift"]
+    assert math.isfinite(protected["cfp/math/adapter_residual"]) and protected["cfp/math/adapter_residual"] > 0
+    assert "cfp/math/adapter_residual" not in free  # lam = 0: nothing corrected
