@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo, deepspeed).
+# Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo, deepspeed, qlora).
 # torch: a CPU build is installed first (torch==2.13.0) unless the venv already has a torch,
 # so that pip never resolves an unpinned torch to a multi-GB CUDA build. To use your own
 # build (e.g. CUDA), install it into .venv before running this script.

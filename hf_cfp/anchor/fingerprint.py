@@ -2,6 +2,13 @@
 
 The fingerprint is small JSON stored in the anchor's metadata. It does not prove two models equal; it
 catches the usual accidents (another model, another size, another checkpoint, another dtype) cheaply.
+
+A base quantized by bitsandbytes (QLoRA: 4-bit NF4/FP4 or 8-bit weights, `hf_cfp.quantized`) against an
+anchor estimated on the full-precision base: a quantized weight is listed as `bnb-nf4[out,in]` (its format and
+logical shape, not its packed storage) and compared by name and logical shape only. Its dtype (the anchor's
+base had float32 or bfloat16 there) and its values (rounded to 4 or 8 bits, packed) cannot be compared, so a
+sampled tensor that is quantized here is not hashed. The weights left unquantized (embeddings, norms,
+`lm_head` by default) are compared as on any model: dtype, shape, and the first 1 MiB when sampled.
 """
 
 import hashlib
@@ -14,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import AnchorMismatchError
 from ..names import named_parameters_once
 from ..parallel.shards import held_pieces
+from ..quantized import logical_shape, quantization
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +35,25 @@ def _dtype(tensor: torch.Tensor) -> str:
 
 
 def _signature(tensor: torch.Tensor) -> str:
-    """`"float32[32,16]"`: dtype and shape of one parameter."""
-    return f"{_dtype(tensor)}[{','.join(map(str, tensor.shape))}]"
+    """`"float32[32,16]"`: dtype and shape of one parameter; `"bnb-nf4[32,16]"`: format and logical shape of a
+    quantized one."""
+    quantized = quantization(tensor)
+    kind, shape = quantized if quantized is not None else (_dtype(tensor), tensor.shape)
+    return f"{kind}[{','.join(map(str, shape))}]"
+
+
+def _comparable(stored: str, live: str) -> bool:
+    """Whether two signatures may describe the same weight: equal, or, where either side is quantized
+    (`bnb-...`: its dtype is gone), the same logical shape."""
+    if stored == live:
+        return True
+    quantized = stored.startswith("bnb-") or live.startswith("bnb-")
+    return quantized and stored[stored.find("[") :] == live[live.find("[") :]
+
+
+def _numel(tensor: torch.Tensor) -> int:
+    """Number of elements of the weight `tensor` stands for (a quantized one's logical numel)."""
+    return math.prod(logical_shape(tensor))
 
 
 def _parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -71,8 +96,8 @@ def model_fingerprint(model: torch.nn.Module) -> dict:
     """A fingerprint of `model`'s parameters (canonical names, so wrappers such as DDP's `module.` or
     torch.compile's `_orig_mod.` do not change it; tied parameters count once):
 
-    - `num_parameters`: sum of numel over all parameters, frozen ones included;
-    - `parameters_sha256`: sha256 of the sorted lines `name<TAB>dtype[shape]`;
+    - `num_parameters`: sum of numel over all parameters, frozen ones included (logical numel if quantized);
+    - `parameters_sha256`: sha256 of the sorted lines `name<TAB>dtype[shape]` (`bnb-nf4[shape]` if quantized);
     - `parameters`: {name: "dtype[shape]"} (None above MAX_LISTED parameters), to say what differs;
     - `sampled_parameters`: the first, middle and last names in sorted order;
     - `sampled_sha256`: {name: sha256 of `name|dtype[shape]|` + the tensor's first 1 MiB as stored};
@@ -85,7 +110,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict:
     digests = {name: _tensor_sha256(name, params[name]) for name in sampled}
     return {
         "fingerprint_version": FINGERPRINT_VERSION,
-        "num_parameters": sum(p.numel() for p in params.values()),
+        "num_parameters": sum(_numel(p) for p in params.values()),
         "parameters_sha256": _structure_sha256(listing),
         "parameters": listing if len(listing) <= MAX_LISTED else None,
         "sampled_parameters": sampled,
@@ -102,7 +127,7 @@ def _few(names) -> str:
 def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     """What differs between a stored fingerprint and the live parameters, as short phrases."""
     problems = []
-    live_count = sum(p.numel() for p in params.values())
+    live_count = sum(_numel(p) for p in params.values())
     if expected.get("num_parameters") is not None and expected["num_parameters"] != live_count:
         problems.append(
             f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)"
@@ -111,7 +136,7 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     stored = expected.get("parameters")
     if isinstance(stored, dict):
         missing, extra = stored.keys() - listing.keys(), listing.keys() - stored.keys()
-        changed = [n for n in stored.keys() & listing.keys() if stored[n] != listing[n]]
+        changed = [n for n in stored.keys() & listing.keys() if not _comparable(stored[n], listing[n])]
         if missing:
             problems.append(f"{len(missing)} parameters of the anchor's base model are missing here: {_few(missing)}")
         if extra:
@@ -120,10 +145,17 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
             problems.append(f"{name!r} is {stored[name]} in the anchor's base model but {listing[name]} here")
         if len(changed) > 3:
             problems.append(f"{len(changed) - 3} more parameters differ in dtype or shape")
+    elif any(quantization(p) is not None for p in params.values()):
+        # only a hash of `name<TAB>dtype[shape]` lines is stored, and the dtypes of quantized weights are gone
+        logger.warning(
+            "The anchor's fingerprint lists no parameters (its base has over %d): names and shapes of this "
+            "quantized model cannot be compared with it, only the parameter count.",
+            MAX_LISTED,
+        )
     elif expected.get("parameters_sha256") not in (None, _structure_sha256(listing)):
         problems.append("parameter names, shapes or dtypes differ (parameters_sha256)")
     for name, digest in (expected.get("sampled_sha256") or {}).items():
-        if name in params and digest is not None:
+        if name in params and digest is not None and quantization(params[name]) is None:
             live = _tensor_sha256(name, params[name])
             if (
                 live is not None
@@ -147,6 +179,8 @@ def check_fingerprint(
     other names: a PeftModel's base weights under the base model's names (`protection.peft_adapters`).
 
     Compares the parameter count, the names/dtypes/shapes and the first 1 MiB of the sampled tensors.
+    A weight quantized by bitsandbytes here (a QLoRA base) is compared by name and logical shape only: its
+    dtype and values are not those of the full-precision base the anchor was computed on (module docstring).
     On a difference raise AnchorMismatchError saying what differs and what to do; with strict=False
     log a warning instead. An empty or None `expected` (anchors saved before fingerprints) passes.
     """

@@ -15,6 +15,7 @@ from ..anchor import FisherAnchor
 from ..errors import AnchorMismatchError
 from ..names import canonical_name
 from ..parallel.shards import dtensor_flat_range, dtensor_local_fisher, held_pieces
+from ..quantized import logical_shape
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ def bind_anchor(
     `names` adds names -> parameters the model does not give itself: a PeftModel's base-model names
     (`peft_adapters.PeftView.params`), which take precedence.
 
-    Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs.
+    Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs (a weight
+    quantized by bitsandbytes, frozen under QLoRA, is compared by its logical shape: `quantized`).
     A tied parameter is bound once, under the first of its names found in the anchor. Frozen
     parameters never move, so they are skipped (one log line says which). A sharded parameter
     (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
@@ -72,11 +74,11 @@ def bind_anchor(
                 f"{next(iter(by_name), '<none>')!r}.)"
             )
         piece = pieces.get(id(param))
-        if tuple(fisher.shape) != tuple(piece.shape if piece else param.shape):
+        shape = tuple(piece.shape if piece else logical_shape(param))  # a 4-bit weight's own shape is packed
+        if tuple(fisher.shape) != shape:
             raise AnchorMismatchError(
                 f"Anchor {anchor.name!r}: parameter {name!r} has shape {tuple(fisher.shape)} in the anchor "
-                f"but {tuple(piece.shape if piece else param.shape)} in the model. Was the anchor computed "
-                f"for another model?"
+                f"but {shape} in the model. Was the anchor computed for another model?"
             )
         if not (piece.trainable if piece else param.requires_grad):
             frozen.append(name)

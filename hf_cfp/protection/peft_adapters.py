@@ -12,8 +12,14 @@ weight standing at that name is one of:
 
 So the drift measured on a PeftModel is that of `merge_and_unload()` against the base weights; the correction
 of the LoRA factors is `adapter_correction`.
+
+QLoRA: W0 may be a bitsandbytes 4-bit or 8-bit weight (PEFT's `lora.bnb.Linear4bit` / `Linear8bitLt`). The
+adapter is full precision and the layer computes dequant(W0) x + s B A x, so Delta_W is the same exact
+s B A - s0 B0 A0; W0 itself enters only by its name and logical shape (`hf_cfp.quantized`). (A 4-bit
+`merge_and_unload()` re-quantizes the merged weight, so it is not the reference there.)
 """
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -182,8 +188,8 @@ def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
         what = "uses DoRA (its magnitude vector rescales the merged weight)"
     elif any(getattr(layer, "lora_variant", {}).get(a) is not None for a in adapters):
         what = "uses a LoRA variant"
-    elif not isinstance(layer, LoraLinear):
-        what = f"is a LoRA {type(layer).__name__} layer (only Linear is supported)"
+    elif not isinstance(layer, _supported_layers()):
+        what = f"is a LoRA {type(layer).__name__} layer (only Linear, 4-bit and 8-bit Linear are supported)"
     elif layer.merged:
         what = "has its adapter merged into the base weight"
     elif layer.get_base_layer().weight.requires_grad:
@@ -195,10 +201,23 @@ def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
     if what is not None:
         raise CFPError(
             f"CFP cannot measure the LoRA-adapted weight {name!r}: it {what}. Supported: plain LoRA on Linear "
-            "layers (rsLoRA, PiSSA/OLoRA-style inits included), unmerged, not sharded."
+            "layers, full-precision or bitsandbytes 4-/8-bit (QLoRA), rsLoRA and PiSSA/OLoRA-style inits "
+            "included, unmerged, not sharded."
         )
-    assert isinstance(layer, LoraLinear)
-    return AdaptedWeight(name, layer, adapters)
+    # a bitsandbytes LoRA layer is no LoraLinear, but has what AdaptedWeight reads: lora_A/B, scaling, fan_in_fan_out
+    return AdaptedWeight(name, layer, adapters)  # type: ignore[arg-type]
+
+
+def _supported_layers() -> tuple[type, ...]:
+    """PEFT's LoRA `Linear`, and its bitsandbytes layers (QLoRA: `Linear4bit`, `Linear8bitLt`) once bitsandbytes
+    is imported (a quantized model imports it; without it there is no such layer)."""
+    if sys.modules.get("bitsandbytes") is None:
+        return (LoraLinear,)
+    try:  # bitsandbytes is optional (the `qlora` extra); PEFT defines its LoRA layers only when it is installed
+        from peft.tuners.lora.bnb import Linear4bit, Linear8bitLt
+    except ImportError:
+        return (LoraLinear,)
+    return (LoraLinear, Linear4bit, Linear8bitLt)
 
 
 def adapted_drift_sq(
