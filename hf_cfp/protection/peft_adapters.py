@@ -46,7 +46,7 @@ class AdaptedWeight:
     """
 
     name: str  # the base model's name of W0
-    layer: LoraLinear
+    layer: LoraLayer  # a LoRA Linear, or PEFT's bitsandbytes 4-/8-bit Linear (QLoRA)
     adapters: tuple[str, ...]
     snapshot: list[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (s0, B0, A0) each
 
@@ -70,8 +70,9 @@ class AdaptedWeight:
         ]
 
     def in_factor_orientation(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A tensor shaped like W0 seen as B A is (out x in): transposed when `fan_in_fan_out`."""
-        return tensor.T if self.layer.fan_in_fan_out else tensor
+        """A tensor shaped like W0 seen as B A is (out x in): transposed when `fan_in_fan_out` (GPT-2's Conv1D
+        layout; bitsandbytes layers do not have the flag)."""
+        return tensor.T if getattr(self.layer, "fan_in_fan_out", False) else tensor
 
     @torch.no_grad()
     def displacement(self) -> torch.Tensor:
@@ -204,8 +205,7 @@ def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
             "layers, full-precision or bitsandbytes 4-/8-bit (QLoRA), rsLoRA and PiSSA/OLoRA-style inits "
             "included, unmerged, not sharded."
         )
-    # a bitsandbytes LoRA layer is no LoraLinear, but has what AdaptedWeight reads: lora_A/B, scaling, fan_in_fan_out
-    return AdaptedWeight(name, layer, adapters)  # type: ignore[arg-type]
+    return AdaptedWeight(name, layer, adapters)
 
 
 def _supported_layers() -> tuple[type, ...]:

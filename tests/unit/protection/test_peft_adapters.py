@@ -11,7 +11,7 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
 from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
-from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from hf_cfp import (
     AnchorMismatchError,
@@ -407,3 +407,22 @@ def test_adapter_space_anchor_at_lora_init_has_zero_fisher_on_every_lora_a():
             torch.testing.assert_close(param.detach(), expected)
             if ".lora_A." in name:
                 assert torch.equal(param.detach(), moved[name])  # F = 0: A keeps the proposal
+
+
+def test_fan_in_fan_out_layers_gpt2_conv1d_are_measured_and_corrected_in_w0_layout():
+    """GPT-2's Conv1D stores W0 as (in x out), so Delta_W = (s B A)^T and F is read transposed."""
+    torch.manual_seed(0)
+    base = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2))
+    weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
+    name = "transformer.h.0.attn.c_attn.weight"  # (16, 48): in x out
+    columns = torch.rand(48, generator=torch.Generator().manual_seed(1)) * 4
+    anchor = FisherAnchor({name: columns[None, :].expand(16, 48).contiguous()}, name="math")  # const. per output
+    peft_model = get_peft_model(base, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True))
+    state = CFPState(peft_model, anchor)
+    train_a_little(peft_model)
+    assert_metrics_match(state.drift_metrics(), merged_reference(peft_model, weights, anchor, [name]))
+    proposal = merged_weights(peft_model, [name])[name]
+    state.correct(3.0)
+    corrected = merged_weights(peft_model, [name])[name]
+    target = weights[name] + (proposal - weights[name]) / (1 + 3.0 * anchor.fisher[name].double())
+    assert float((corrected - target).norm() / (target - weights[name]).norm()) < 1e-5
