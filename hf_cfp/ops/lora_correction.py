@@ -58,16 +58,27 @@ def proximal_b(
     """B' row by row: argmin sum_j (1 + lam F_ij) (s b'_i A_:j - s0 (B0 A0)_ij - D'_ij)^2, A unchanged.
 
     The normal equations, with w t = D + w s0 B0 A0: (A diag(w_i) A^T) b'_i = A (w_i t_i) / s, solved for all
-    rows at once; the r x r Gram matrices sum_j w_ij A_pj A_qj come from one (out x in) @ (in x r^2) product.
+    rows at once in float64, by Cholesky (the Gram matrices are symmetric positive definite when A has full
+    rank; LU when rounding makes one indefinite). Their r (r + 1) / 2 distinct entries sum_j w_ij A_pj A_qj
+    (p <= q) come from one (out x in) @ (in x r (r + 1) / 2) product. With B0 = 0 (LoRA's default) w t = D.
     """
     a, s = factors.a, factors.scale
     rank = a.shape[0]
     weight = 1 + lam * fisher
-    weighted_target = delta + factors.scale0 * weight * (factors.b0 @ factors.a0)  # w t
-    pairs = (a[:, None, :] * a[None, :, :]).reshape(rank * rank, -1)  # A_pj A_qj
-    gram = (weight @ pairs.T).reshape(-1, rank, rank)
-    rhs = weighted_target @ a.T
-    b = torch.linalg.solve(gram.double(), rhs.double()).float() / s
+    rhs = delta @ a.T  # A (w_i t_i) for every row i
+    if factors.scale0 != 0 and factors.b0.any():
+        rhs += (factors.scale0 * weight * (factors.b0 @ factors.a0)) @ a.T
+    p, q = torch.triu_indices(rank, rank, device=a.device)
+    upper = (weight @ (a[p] * a[q]).T).double()  # out x r (r + 1) / 2
+    where = torch.zeros(rank, rank, dtype=torch.long, device=a.device)  # (p, q) -> its column of `upper`
+    where[p, q] = where[q, p] = torch.arange(len(p), device=a.device)
+    gram = upper.index_select(1, where.view(-1)).view(-1, rank, rank)
+    factor, info = torch.linalg.cholesky_ex(gram)
+    if info.any():  # not numerically positive definite (A near rank-deficient): LU, as precise as it gets
+        b = torch.linalg.solve(gram, rhs.double())
+    else:
+        b = torch.cholesky_solve(rhs.double().unsqueeze(-1), factor).squeeze(-1)
+    b = b.float() / s
     return _keep_rows_without_fisher(b, factors.b, fisher), a
 
 

@@ -57,6 +57,18 @@ def test_proximal_b_is_the_weighted_least_squares_fit_row_by_row(nonzero_init):
         torch.testing.assert_close(b[i].double(), row, rtol=1e-4, atol=1e-5)
 
 
+def test_proximal_b_falls_back_to_lu_when_a_gram_matrix_is_not_positive_definite():
+    f, fis, lam = factors(), fisher(), 2.5
+    f.a[1] = f.a[0] + 1e-6 * f.a[2]  # A near rank-deficient: the float32 Gram matrices lose definiteness
+    gram = torch.einsum("ij,pj,qj->ipq", (1 + lam * fis).double(), f.a.double(), f.a.double())
+    assert torch.linalg.cholesky_ex(gram.float().double()).info.any()
+    b, _ = run(proximal_b, f, fis, lam)
+    assert torch.isfinite(b).all()
+    f.a[1] = f.a[0]  # exactly rank-deficient: singular, as LU says
+    with pytest.raises(torch.linalg.LinAlgError):
+        run(proximal_b, f, fis, lam)
+
+
 def test_least_squares_b_is_the_pseudo_inverse_fit():
     f, fis, lam = factors(nonzero_init=True), fisher(), 2.5
     b, a = run(least_squares_b, f, fis, lam)
