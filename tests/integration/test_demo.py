@@ -1,21 +1,74 @@
 """The tiny demo end to end (`run_demo(tiny=True)`, what `hf-cfp demo --tiny` runs): the protected
-arm's sensitive drift stays below the plain arm's, and the report and the plot are written."""
+arm's sensitive drift stays below the plain arm's, and the report and the plot are written. With
+`peft=True` (`hf-cfp demo --tiny --peft`) the arms train LoRA adapters and the logged drift is that of
+the merged model against the base weights, checked here against PEFT's own merge_and_unload()."""
+
+import copy
+import math
 
 import pytest
+import torch
+from peft import PeftModel
 
 from hf_cfp import FisherAnchor
 from hf_cfp.demo import run_demo
+from hf_cfp.demo.run import LORA_TARGETS
+
+KEY = "cfp/math/sensitive_drift"
 
 
 def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
     result = run_demo(tiny=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
-    key = "cfp/math/sensitive_drift"
     plain, cfp = result["plain"], result["cfp"]
     assert [r["step"] for r in plain] == [r["step"] for r in cfp] == list(range(1, 7))
-    assert all(c[key] < p[key] for p, c in zip(plain, cfp, strict=True))
-    assert result["ratio"] == cfp[-1][key] ** 2 / plain[-1][key] ** 2 - 1 < -0.5
+    assert all(c[KEY] < p[KEY] for p, c in zip(plain, cfp, strict=True))
+    assert result["ratio"] == cfp[-1][KEY] ** 2 / plain[-1][KEY] ** 2 - 1 < -0.5
     anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
     assert result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
     assert (tmp_path / "drift.png").stat().st_size > 10_000
     assert "DtFD_cfp / DtFD_plain - 1" in capsys.readouterr().out
+
+
+def merged_drift(model: PeftModel, fisher: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The drift metrics recomputed from PEFT's merged model minus its base weights, in float64."""
+    base = copy.deepcopy(model).unload().state_dict()
+    merged = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert base.keys() == merged.keys()
+    adapted = [n for n in merged if n.endswith(tuple(f"{t}.weight" for t in LORA_TARGETS))]
+    assert len(adapted) == 2 * len(LORA_TARGETS)  # two layers
+    assert all(torch.equal(merged[n], base[n]) for n in merged if n not in adapted)  # frozen weights stay
+    delta = {n: merged[n].double() - base[n].double() for n in adapted}
+    f = {n: fisher[n].double() for n in adapted}
+    flat = torch.cat([f[n].reshape(-1) for n in adapted])
+    threshold = torch.kthvalue(flat, math.ceil(0.99 * flat.numel())).values  # over the weights that can move
+    return {
+        KEY: math.sqrt(sum(float((f[n] * delta[n].square()).sum()) for n in adapted)),
+        "cfp/math/free_drift": math.sqrt(sum(float(delta[n][f[n] <= threshold].square().sum()) for n in adapted)),
+        "cfp/total_drift": math.sqrt(sum(float(delta[n].square().sum()) for n in adapted)),
+    }
+
+
+def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    result = run_demo(tiny=True, peft=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
+    plain, cfp = result["plain"], result["cfp"]
+    assert [r["step"] for r in plain] == [r["step"] for r in cfp] == list(range(1, 7))
+    assert all(c[KEY] < p[KEY] for p, c in zip(plain, cfp, strict=True))
+    assert result["ratio"] == cfp[-1][KEY] ** 2 / plain[-1][KEY] ** 2 - 1 < -0.3
+    assert all(0 < r["cfp/math/adapter_residual"] < 0.1 for r in cfp)  # measured on every (logging) step
+    assert "cfp/math/adapter_residual" not in plain[-1]  # lam = 0 corrects nothing
+    assert result["learning_rate"] == 3e-2
+    anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
+    for arm, rows in (("plain", plain), ("cfp", cfp)):
+        model = result["models"][arm]
+        assert isinstance(model, PeftModel)
+        assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+            n for n, _ in model.named_parameters() if ".lora_A." in n or ".lora_B." in n
+        }
+        expected = merged_drift(model, anchor.fisher)
+        for key, value in expected.items():
+            assert rows[-1][key] == pytest.approx(value, rel=1e-6), (arm, key)
+    out = capsys.readouterr().out
+    assert "Drift of the merged model (base + LoRA) from the base weights" in out
+    assert "residual cfp" in out and "DtFD_cfp / DtFD_plain - 1" in out
