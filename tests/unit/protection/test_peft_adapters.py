@@ -11,7 +11,8 @@ import pytest
 import torch
 from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
 from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerControl, TrainerState, TrainingArguments
+from support.training import last_cfp_logs, short_run
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState
 
 from hf_cfp import (
     AnchorMismatchError,
@@ -276,49 +277,19 @@ def test_a_missing_base_name_is_still_refused():
         CFPState(peft_model, wrong)
 
 
-def train(peft_model, output_dir, callbacks=(), steps=4):
-    """A short Trainer run on random token rows (AdamW, lr 1e-2, logging every 2 steps); returns the Trainer."""
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(2 * steps):
-        ids = torch.randint(0, 32, (12,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        use_cpu=True,
-        report_to=[],
-        logging_steps=2,
-        max_steps=steps,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=list(callbacks))
-    trainer.train()
-    return trainer
-
-
-def cfp_logs(trainer):
-    """The cfp/* metrics of the last logging step."""
-    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
-    return {k: v for k, v in logged.items() if k.startswith("cfp/")}
-
-
 def test_trainer_run_logs_the_merged_models_drift(tmp_path):
     weights, anchor, peft_model = lora_model(modules_to_save=["lm_head"])
-    trainer = train(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)])
+    trainer = short_run(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)])
     assert trainer.state.log_history[-2]["step"] == 4
     reference = merged_reference(peft_model, weights, anchor, [*ADAPTED, "lm_head.weight"])
-    assert_metrics_match(cfp_logs(trainer), reference)
+    assert_metrics_match(last_cfp_logs(trainer), reference)
 
 
 def test_lam_zero_is_bit_identical_to_no_callback(tmp_path):
     _, anchor, with_cfp = lora_model(modules_to_save=["lm_head"])
     _, _, without = lora_model(modules_to_save=["lm_head"])
-    train(with_cfp, tmp_path / "a", [CFPCallback(anchor, lam=0.0)])
-    train(without, tmp_path / "b")
+    short_run(with_cfp, tmp_path / "a", [CFPCallback(anchor, lam=0.0)])
+    short_run(without, tmp_path / "b")
     for (name, p), (_, q) in zip(with_cfp.named_parameters(), without.named_parameters(), strict=True):
         assert torch.equal(p, q), name
 
@@ -326,8 +297,8 @@ def test_lam_zero_is_bit_identical_to_no_callback(tmp_path):
 def test_large_lam_cuts_base_space_sensitive_drift_at_least_5x_and_logs_the_residual(tmp_path):
     _, anchor, free_run = lora_model(modules_to_save=["lm_head"])
     _, _, protected_run = lora_model(modules_to_save=["lm_head"])
-    free = cfp_logs(train(free_run, tmp_path / "free", [CFPCallback(anchor, lam=0.0)]))
-    protected = cfp_logs(train(protected_run, tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)]))
+    free = last_cfp_logs(short_run(free_run, tmp_path / "free", [CFPCallback(anchor, lam=0.0)]))
+    protected = last_cfp_logs(short_run(protected_run, tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)]))
     assert protected["cfp/math/sensitive_drift"] * 5 <= free["cfp/math/sensitive_drift"]
     assert "cfp/math/adapter_residual" not in free  # lam = 0: nothing corrected
     assert 0 <= protected["cfp/math/adapter_residual"] < 1

@@ -17,13 +17,12 @@ pytest.importorskip("bitsandbytes", reason="the QLoRA tests need bitsandbytes (p
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
 from support.tiny import anchor_for, tiny_llama  # noqa: E402
+from support.training import last_cfp_logs, short_run
 from transformers import (  # noqa: E402
     BitsAndBytesConfig,
     LlamaForCausalLM,
-    Trainer,
     TrainerControl,
     TrainerState,
-    TrainingArguments,
 )
 
 from hf_cfp import AnchorMismatchError, CFPCallback, CFPState  # noqa: E402
@@ -213,43 +212,12 @@ def test_drift_equals_the_lora_factors_reference(base, bits):
         torch.testing.assert_close(weight.displacement().double().cpu(), effective, atol=1e-5, rtol=1e-4)
 
 
-def train(peft_model, output_dir, callbacks=(), steps=4):
-    """A short Trainer run on random token rows (AdamW, lr 1e-2, logging every 2 steps); returns the Trainer."""
-    gen = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(2 * steps):
-        ids = torch.randint(0, 32, (12,), generator=gen)
-        rows.append({"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones_like(ids)})
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        use_cpu=DEVICE == "cpu",
-        report_to=[],
-        logging_steps=2,
-        max_steps=steps,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        save_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = Trainer(model=peft_model, args=args, train_dataset=rows, callbacks=list(callbacks))
-    trainer.train()
-    return trainer
-
-
-def cfp_logs(trainer):
-    """The cfp/* metrics of the last logging step."""
-    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
-    assert logged["step"] == trainer.state.max_steps
-    return {k: v for k, v in logged.items() if k.startswith("cfp/")}
-
-
 def test_trainer_run_on_the_4bit_base_logs_the_drift(base, tmp_path):
     path, anchor = base
     peft_model = qlora_model(path)
     at_bind = factors(peft_model)
-    trainer = train(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)])
-    assert_metrics_match(cfp_logs(trainer), factor_reference(at_bind, factors(peft_model), anchor))
+    trainer = short_run(peft_model, tmp_path, [CFPCallback(anchor, lam=0.0)], use_cpu=DEVICE == "cpu")
+    assert_metrics_match(last_cfp_logs(trainer), factor_reference(at_bind, factors(peft_model), anchor))
 
 
 def lora_parameters(peft_model):
@@ -284,8 +252,12 @@ def test_correction_on_the_quantized_base_equals_the_correction_on_the_full_prec
 
 def test_trainer_run_with_a_large_lam_on_the_4bit_base_cuts_sensitive_drift(base, tmp_path):
     path, anchor = base
-    free = cfp_logs(train(qlora_model(path), tmp_path / "free", [CFPCallback(anchor, lam=0.0)]))
-    protected = cfp_logs(train(qlora_model(path), tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)]))
+    free = last_cfp_logs(
+        short_run(qlora_model(path), tmp_path / "free", [CFPCallback(anchor, lam=0.0)], use_cpu=DEVICE == "cpu")
+    )
+    protected = last_cfp_logs(
+        short_run(qlora_model(path), tmp_path / "cfp", [CFPCallback(anchor, lam=1e3)], use_cpu=DEVICE == "cpu")
+    )
     assert protected["cfp/math/sensitive_drift"] * 5 <= free["cfp/math/sensitive_drift"]
     assert math.isfinite(protected["cfp/math/adapter_residual"]) and protected["cfp/math/adapter_residual"] > 0
     assert "cfp/math/adapter_residual" not in free  # lam = 0: nothing corrected
