@@ -5,6 +5,7 @@ import shutil
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from support.anchors import random_anchor
 from support.tiny import tiny_llama
@@ -26,9 +27,14 @@ class Crash(TrainerCallback):
             raise KeyboardInterrupt("simulated crash")
 
 
-def run(output_dir, extra=(), resume=None, args_overrides=None, **callback_kwargs):
+def run(output_dir, extra=(), resume=None, args_overrides=None, lora_targets=None, **callback_kwargs):
+    """6 steps of a tiny Llama (checkpoints every 2), protected by a "math" anchor with a "code" monitor, lam =
+    2 * step. With `lora_targets`: a PeftModel (LoRA r=4 there, lm_head trained through modules_to_save) and
+    anchors keyed by the base model's names, so the protecting one corrects the LoRA factors."""
     model = tiny_llama()
     anchors = dict(anchor=random_anchor(model, "math", seed=1), monitor=[random_anchor(model, "code", seed=2)])
+    if lora_targets is not None:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=lora_targets, modules_to_save=["lm_head"]))
     args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=6,
@@ -115,31 +121,8 @@ LORA_TARGETS = ["q_proj", "v_proj"]
 
 
 def lora_run(output_dir, extra=(), resume=None, target_modules=LORA_TARGETS, **callback_kwargs):
-    """`run` on a PeftModel: LoRA r=4 on q_proj and v_proj, an lm_head trained through modules_to_save;
-    anchors keyed by the base model's names, the protecting one corrects the LoRA factors (lam > 0)."""
-    from peft import LoraConfig, get_peft_model
-
-    base = tiny_llama()
-    anchors = dict(anchor=random_anchor(base, "math", seed=1), monitor=[random_anchor(base, "code", seed=2)])
-    config = LoraConfig(r=4, target_modules=target_modules, modules_to_save=["lm_head"])
-    model = get_peft_model(base, config)
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=6,
-        save_steps=2,
-        save_total_limit=1,
-        per_device_train_batch_size=4,
-        learning_rate=3e-2,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
-    cfp = CFPCallback(lam=lambda step: 2.0 * step, **anchors, **callback_kwargs)
-    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
-    trainer.train(resume_from_checkpoint=resume)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history
+    """`run` on a PeftModel."""
+    return run(output_dir, extra, resume, lora_targets=target_modules, **callback_kwargs)
 
 
 def cfp_logs(history):
@@ -186,7 +169,5 @@ LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
 
 def lora_a_at_init():
     """The first q_proj's LoRA A as get_peft_model initializes it (the seed of `lora_run`'s model)."""
-    from peft import LoraConfig, get_peft_model
-
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=LORA_TARGETS, modules_to_save=["lm_head"]))
     return dict(model.named_parameters())[LORA_A].detach()
