@@ -1,4 +1,5 @@
-"""Bundled data (`data/*.jsonl`): calibration prompts per capability and the demo's off-capability SFT pairs."""
+"""Bundled data (`data/*.jsonl`): calibration prompts per capability, a held-out math evaluation set
+(disjoint from the calibration prompts) and the demo's off-capability SFT pairs."""
 
 import json
 import os
@@ -19,6 +20,12 @@ def calibration_prompts(name: str = "math") -> list[str]:
     if name not in CALIBRATION_SETS:
         raise CFPArgumentError(f"No bundled calibration set {name!r}; available: {CALIBRATION_SETS}.")
     return [row["prompt"] for row in _read_jsonl(f"{name}.jsonl")]
+
+
+def math_eval_items() -> list[tuple[str, int]]:
+    """Held-out math problems with integer answers (prompt, answer), disjoint from the math calibration
+    prompts: for `reference_log_likelihood`, `greedy_exact_match` and the capability KL."""
+    return [(row["prompt"], int(row["answer"])) for row in _read_jsonl("math_eval.jsonl")]
 
 
 def pirate_style_pairs() -> list[tuple[str, str]]:
