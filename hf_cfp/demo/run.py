@@ -4,7 +4,9 @@
 2. fine-tune twice from the same weights on a pirate-style SFT set: once unprotected
    (CFPCallback with lam=0 only measures), once with CFPCallback(anchor, lam);
 3. print the drift paths side by side, the paper's ratio DtFD_cfp / DtFD_plain - 1 with
-   DtFD = sensitive_drift^2, and plot sensitive against free drift.
+   DtFD = sensitive_drift^2, and plot sensitive against free drift;
+4. print what that means for math on held-out problems (`capability.py`): kl_to_base, the reference
+   answers' log-likelihood and greedy exact match, for the base model and both arms.
 
 With `peft=True` each arm trains LoRA adapters (r = 16 on every attention and MLP projection) on a copy
 of the base model instead of all its weights; the same base-model anchor binds through PEFT names, drift
@@ -25,6 +27,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 from ..fisher import estimate_fisher
 from ..integrations import CFPCallback
 from .bundled import calibration_prompts, pirate_style_pairs
+from .capability import report_capability
 from .models import EMBEDDED, load_causal_lm, tiny_llama
 
 
@@ -97,7 +100,8 @@ def run_demo(
     learning_rate: float | None = None,
 ) -> dict:
     """Run both arms and report; returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
-    arm) and "models" (the trained model of each arm: a PeftModel with `peft`)."""
+    arm), "models" (the trained model of each arm: a PeftModel with `peft`) and "capability" (the held-out
+    math measurements of `report_capability` for "base", "plain" and "cfp")."""
     out = Path(output_dir)
     if tiny:
         model, tokenizer, prompts, dataset = _tiny_setup()
@@ -133,8 +137,16 @@ def run_demo(
             models[arm], dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate
         )
     ratio = _report(histories, peft)
+    capability = report_capability(model, models, tokenizer, tiny)
     _plot(histories, out / "drift.png")
-    return {"lam": lam, "ratio": ratio, "learning_rate": learning_rate, **histories, "models": models}
+    return {
+        "lam": lam,
+        "ratio": ratio,
+        "learning_rate": learning_rate,
+        **histories,
+        "models": models,
+        "capability": capability,
+    }
 
 
 def _report(histories: dict, peft: bool = False) -> float:

@@ -1,20 +1,50 @@
 """The tiny demo end to end (`run_demo(tiny=True)`, what `hf-cfp demo --tiny` runs): the protected
 arm's sensitive drift stays below the plain arm's, and the report and the plot are written. With
 `peft=True` (`hf-cfp demo --tiny --peft`) the arms train LoRA adapters and the logged drift is that of
-the merged model against the base weights, checked here against PEFT's own merge_and_unload()."""
+the merged model against the base weights, checked here against PEFT's own merge_and_unload(). Both print
+the capability lines (kl_to_base, answer log-likelihood, exact match on held-out prompts), checked against
+kl_to_base and the scores computed afresh on the returned models."""
 
 import copy
 import math
+import re
 
 import pytest
 import torch
 from peft import PeftModel
 
-from hf_cfp import FisherAnchor
+from hf_cfp import FisherAnchor, kl_to_base
 from hf_cfp.demo import run_demo
+from hf_cfp.demo.capability import held_out_math
+from hf_cfp.demo.models import tiny_llama
 from hf_cfp.demo.run import LORA_TARGETS
+from hf_cfp.evaluation import greedy_exact_match, reference_log_likelihood
 
 KEY = "cfp/math/sensitive_drift"
+
+
+def check_capability_lines(result, out: str) -> None:
+    """The printed and returned capability numbers against kl_to_base (8 held-out prompts x 2 samples,
+    32 tokens, seed 0) and the scores computed afresh; the tiny base is rebuilt from its seed."""
+    assert "Capability on 8 random token-id stand-ins (tiny model)" in out
+    printed = {
+        m.group(1): m.groups()[1:]
+        for m in re.finditer(r"^\s*(base|plain|cfp) \|\s+(\S+)\s+(\S+) \|\s+(\S+) \|\s+(\S+)%$", out, re.M)
+    }
+    assert set(printed) == {"base", "plain", "cfp"}
+    base = tiny_llama(vocab_size=64, hidden_size=32, heads=4)  # _tiny_setup's model, untrained
+    prompts, answers = held_out_math(tiny=True)
+    rows = result["capability"]
+    assert rows["base"]["kl"] == 0.0
+    for arm in ("plain", "cfp"):
+        model = result["models"][arm]
+        expected = kl_to_base(base, model, None, prompts, num_samples_per_prompt=2, max_new_tokens=32, seed=0)
+        assert rows[arm]["kl"] == pytest.approx(expected, rel=1e-9, abs=1e-12), arm
+        assert float(printed[arm][0]) == pytest.approx(expected, rel=1e-4), arm
+        assert rows[arm]["kl"] != 0.0 and rows[arm]["kl_stderr"] > 0.0  # an estimate: 16 samples may give < 0
+        assert rows[arm]["log_likelihood"] == pytest.approx(reference_log_likelihood(model, None, prompts, answers))
+        assert float(printed[arm][2]) == pytest.approx(rows[arm]["log_likelihood"], abs=1e-4)
+        assert rows[arm]["exact_match"] == greedy_exact_match(model, None, prompts, answers, max_new_tokens=16)
 
 
 def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
@@ -27,7 +57,9 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
     assert result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
     assert (tmp_path / "drift.png").stat().st_size > 10_000
-    assert "DtFD_cfp / DtFD_plain - 1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "DtFD_cfp / DtFD_plain - 1" in out
+    check_capability_lines(result, out)
 
 
 def merged_drift(model: PeftModel, fisher: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -72,3 +104,4 @@ def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_pat
     out = capsys.readouterr().out
     assert "Drift of the merged model (base + LoRA) from the base weights" in out
     assert "residual cfp" in out and "DtFD_cfp / DtFD_plain - 1" in out
+    check_capability_lines(result, out)
