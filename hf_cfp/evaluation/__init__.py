@@ -3,13 +3,13 @@ trained model to the base on the capability's prompts, and the capability's own 
 items with known answers (reference-answer log-likelihood, greedy exact match)."""
 
 from .kl import BaseResponses, KLEstimate, draw_base_responses, kl_estimate, kl_to_base, kl_to_base_with_stderr
-from .scores import first_number, greedy_answers, greedy_exact_match, reference_log_likelihood
+from .scores import final_number, greedy_answers, greedy_exact_match, reference_log_likelihood
 
 __all__ = [
     "BaseResponses",
     "KLEstimate",
     "draw_base_responses",
-    "first_number",
+    "final_number",
     "greedy_answers",
     "greedy_exact_match",
     "kl_estimate",

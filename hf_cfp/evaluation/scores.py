@@ -16,14 +16,15 @@ from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, resolve_eos_ids, resolve_pad_id
 from .kl import score_responses
 
-# The first number in a text: optional minus sign, digits with optional thousands commas, optional decimals.
+# A number in a text: optional minus sign, digits with optional thousands commas, optional decimals.
 NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
 
 
-def first_number(text: str) -> float | None:
-    """The first number `NUMBER` finds in `text` ("1,250" -> 1250.0, "-3.5" -> -3.5), or None."""
-    match = NUMBER.search(text)
-    return float(match.group().replace(",", "")) if match else None
+def final_number(text: str) -> float | None:
+    """The last number `NUMBER` finds in `text` ("1,250" -> 1250.0, "-3.5" -> -3.5), or None. The last, not
+    the first: models restate the question before answering ("38 + 47 = 85")."""
+    matches = NUMBER.findall(text)
+    return float(matches[-1].replace(",", "")) if matches else None
 
 
 def _answer_ids(answers, tokenizer) -> list[list[int]]:
@@ -87,18 +88,18 @@ def greedy_answers(model, tokenizer, prompts, max_new_tokens: int = 16, batch_si
 
 
 def answer_matches(response: list[int], answer, tokenizer) -> bool:
-    """With a tokenizer: the first number of the decoded response (`first_number`) equals the answer's
-    (a number, or the first number in an answer string). Without one (token-id prompts and answers):
+    """With a tokenizer: the last number of the decoded response (`final_number`) equals the answer's
+    (a number, or the last number in an answer string). Without one (token-id prompts and answers):
     the response begins with the answer's tokens."""
     if tokenizer is None:
         return list(response[: len(answer)]) == [int(t) for t in answer]
-    expected = float(answer) if isinstance(answer, (int, float)) else first_number(str(answer))
-    found = first_number(tokenizer.decode(response, skip_special_tokens=True))
+    expected = float(answer) if isinstance(answer, (int, float)) else final_number(str(answer))
+    found = final_number(tokenizer.decode(response, skip_special_tokens=True))
     return expected is not None and found == expected
 
 
 def greedy_exact_match(model, tokenizer, prompts, answers, max_new_tokens: int = 16, batch_size: int = 8) -> float:
-    """EM = share of items whose greedy answer matches the reference (`answer_matches`): the first number
+    """EM = share of items whose greedy answer matches the reference (`answer_matches`): the last number
     in the decoded greedy response, found by the regex `NUMBER` (commas dropped), equals the reference
     number. Greedy decoding is `model.generate(do_sample=False)` for at most `max_new_tokens` tokens."""
     answers = list(answers)

@@ -8,7 +8,7 @@ import torch
 from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp.demo.bundled import calibration_prompts, math_eval_items
-from hf_cfp.evaluation import first_number, greedy_exact_match, reference_log_likelihood
+from hf_cfp.evaluation import final_number, greedy_exact_match, reference_log_likelihood
 
 PROMPTS = ["two plus three", "what is the sum", "print five", "the answer is", "code", "three plus two is what"]
 
@@ -89,8 +89,8 @@ def test_greedy_exact_match_equals_a_plain_generate_loop(tokenizer):
             eos_token_id=tokenizer.eos_token_id,
         )
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        match = re.search(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)
-        numbers.append(float(match.group().replace(",", "")) if match else None)
+        found = re.findall(r"-?\d+(?:,\d{3})*(?:\.\d+)?", text)  # the last number in the response
+        numbers.append(float(found[-1].replace(",", "")) if found else None)
     assert all(n is not None for n in numbers)
     answers = [int(n) if i % 2 == 0 else int(n) + 1 for i, n in enumerate(numbers)]  # every other one right
     assert greedy_exact_match(model, tokenizer, PROMPTS, answers, max_new_tokens=6, batch_size=4) == 0.5
@@ -98,11 +98,12 @@ def test_greedy_exact_match_equals_a_plain_generate_loop(tokenizer):
     assert greedy_exact_match(model, tokenizer, PROMPTS, [str(int(n)) for n in numbers], max_new_tokens=6) == 1.0
 
 
-def test_first_number_regex():
-    assert first_number("The answer is 1,250 apples.") == 1250.0
-    assert first_number("x = -3.5, then 7") == -3.5
-    assert first_number("42") == 42.0
-    assert first_number("no digits") is None
+def test_final_number_regex():
+    assert final_number("The answer is 1,250 apples.") == 1250.0
+    assert final_number("x = 7, then -3.5") == -3.5
+    assert final_number("38 + 47 = 85") == 85.0
+    assert final_number("42") == 42.0
+    assert final_number("no digits") is None
 
 
 def normalized(text: str) -> str:
