@@ -6,12 +6,12 @@ the capability lines (kl_to_base, answer log-likelihood, exact match on held-out
 kl_to_base and the scores computed afresh on the returned models."""
 
 import copy
-import math
 import re
 
 import pytest
 import torch
 from peft import PeftModel
+from support.references import drift_reference
 
 from hf_cfp import FisherAnchor, kl_to_base
 from hf_cfp.demo import run_demo
@@ -71,14 +71,7 @@ def merged_drift(model: PeftModel, fisher: dict[str, torch.Tensor]) -> dict[str,
     assert len(adapted) == 2 * len(LORA_TARGETS)  # two layers
     assert all(torch.equal(merged[n], base[n]) for n in merged if n not in adapted)  # frozen weights stay
     delta = {n: merged[n].double() - base[n].double() for n in adapted}
-    f = {n: fisher[n].double() for n in adapted}
-    flat = torch.cat([f[n].reshape(-1) for n in adapted])
-    threshold = torch.kthvalue(flat, math.ceil(0.99 * flat.numel())).values  # over the weights that can move
-    return {
-        KEY: math.sqrt(sum(float((f[n] * delta[n].square()).sum()) for n in adapted)),
-        "cfp/math/free_drift": math.sqrt(sum(float(delta[n][f[n] <= threshold].square().sum()) for n in adapted)),
-        "cfp/total_drift": math.sqrt(sum(float(delta[n].square().sum()) for n in adapted)),
-    }
+    return drift_reference(delta, fisher, "math")  # the free threshold over the weights that can move
 
 
 def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_path, capsys):

@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 from peft import LoraConfig
+from support.references import drift_reference
 from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
 
 from hf_cfp import AnchorMismatchError, CFPCallback
@@ -76,14 +77,7 @@ def merged_reference(peft_model, weights, anchor, free_fraction=0.99):
     for name in weights.keys() - set(ADAPTED):
         assert torch.equal(merged[name], weights[name]), f"{name} moved"
     deltas = {n: merged[n].detach() - weights[n] for n in ADAPTED}
-    fisher = {n: anchor.fisher[n].double() for n in ADAPTED}
-    flat = torch.cat([f.reshape(-1) for f in fisher.values()])
-    threshold = torch.kthvalue(flat, math.ceil(free_fraction * flat.numel())).values
-    return {
-        SENS: math.sqrt(sum(float((fisher[n] * d**2).sum()) for n, d in deltas.items())),
-        FREE: math.sqrt(sum(float(d[fisher[n] <= threshold].square().sum()) for n, d in deltas.items())),
-        TOTAL: math.sqrt(sum(float(d.square().sum()) for d in deltas.values())),
-    }
+    return drift_reference(deltas, anchor.fisher, anchor.name, free_fraction)
 
 
 def check_run(trainer, weights, anchor, lam):

@@ -1,5 +1,8 @@
 """Plain reference implementations the library is compared against (none calls hf_cfp's own math)."""
 
+import math
+
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -19,3 +22,37 @@ class ReferenceCFP(TrainerCallback):
             for n, p in model.named_parameters():
                 t0 = self.theta0[n]
                 p.copy_(t0 + (p - t0) / (1 + lam * self.fisher[n]))
+
+
+def drift_reference(deltas, fisher, name, free_fraction=0.99):
+    """The drift metrics in float64, one expression each, of displacements `deltas` (weight name -> tensor)
+    under `fisher` (weight name -> F): sqrt(sum F d^2), ||d|| where F <= the k-th smallest F over these
+    weights (k = ceil(free_fraction n)), and ||d||."""
+    deltas = {n: d.double() for n, d in deltas.items()}
+    fisher = {n: fisher[n].double() for n in deltas}
+    flat = torch.cat([f.reshape(-1) for f in fisher.values()])
+    threshold = torch.kthvalue(flat, math.ceil(free_fraction * flat.numel())).values
+    return {
+        f"cfp/{name}/sensitive_drift": math.sqrt(sum(float((fisher[n] * d**2).sum()) for n, d in deltas.items())),
+        f"cfp/{name}/free_drift": math.sqrt(
+            sum(float(d[fisher[n] <= threshold].square().sum()) for n, d in deltas.items())
+        ),
+        "cfp/total_drift": math.sqrt(sum(float(d.square().sum()) for d in deltas.values())),
+    }
+
+
+def assert_metrics_match(measured, reference, rel=1e-6):
+    """The same keys, every reference value > 0, and each measured value within `rel` of it."""
+    assert measured.keys() == reference.keys()
+    for key, value in reference.items():
+        assert value > 0, key
+        assert measured[key] == pytest.approx(value, rel=rel), (key, measured[key], value)
+
+
+@torch.no_grad()
+def train_a_little(model, seed=0, scale=0.05):
+    """Stand-in for optimizer steps: every trainable parameter moves by scale * N(0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.device))

@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
+from support.references import assert_metrics_match, drift_reference, train_a_little
 from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
 from support.training import last_cfp_logs, short_run
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState
@@ -40,37 +41,11 @@ def lora_model(seed=0, **config):
     return weights, anchor, peft_model
 
 
-@torch.no_grad()
-def train_a_little(model, seed=0, scale=0.05):
-    """Stand-in for optimizer steps: every trainable parameter moves by scale * N(0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.add_(scale * torch.randn(p.shape, generator=gen))
-
-
 def merged_reference(peft_model, origin, anchor, moving, free_fraction=0.99):
     """float64 metrics of merge_and_unload() against `origin` (name -> weights) over the names in `moving`."""
     merged = dict(copy.deepcopy(peft_model).merge_and_unload().named_parameters())
     deltas = {n: merged[n].detach().double() - origin[n] for n in moving}
-    fisher = {n: anchor.fisher[n].double() for n in moving}
-    flat = torch.cat([f.reshape(-1) for f in fisher.values()])
-    threshold = torch.kthvalue(flat, math.ceil(free_fraction * flat.numel())).values
-    name = anchor.name
-    return {
-        f"cfp/{name}/sensitive_drift": math.sqrt(sum(float((fisher[n] * d**2).sum()) for n, d in deltas.items())),
-        f"cfp/{name}/free_drift": math.sqrt(
-            sum(float(d[fisher[n] <= threshold].square().sum()) for n, d in deltas.items())
-        ),
-        "cfp/total_drift": math.sqrt(sum(float(d.square().sum()) for d in deltas.values())),
-    }
-
-
-def assert_metrics_match(measured, reference):
-    assert measured.keys() == reference.keys()
-    for key, value in reference.items():
-        assert value > 0, key
-        assert measured[key] == pytest.approx(value, rel=1e-6), (key, measured[key], value)
+    return drift_reference(deltas, anchor.fisher, anchor.name, free_fraction)
 
 
 def test_base_anchor_binds_through_peft_names():

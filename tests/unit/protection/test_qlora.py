@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("bitsandbytes", reason="the QLoRA tests need bitsandbytes (pip install 'hf-cfp[qlora]')")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
+from support.references import assert_metrics_match, drift_reference, train_a_little
 from support.tiny import anchor_for, tiny_llama  # noqa: E402
 from support.training import last_cfp_logs, short_run
 from transformers import (  # noqa: E402
@@ -95,37 +96,10 @@ def identity_outputs(peft_model):
     }
 
 
-@torch.no_grad()
-def train_a_little(model, seed=0, scale=0.05):
-    """Stand-in for optimizer steps: every trainable parameter moves by scale * N(0, 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.add_(scale * torch.randn(p.shape, generator=gen).to(p.device))
-
-
 def factor_reference(at_bind, now, anchor, free_fraction=0.99):
     """float64 metrics of Delta_W = s B A - s0 B0 A0 over the adapted weights (the only ones that move)."""
     deltas = {n: now[n][0] * now[n][1] @ now[n][2] - at_bind[n][0] * at_bind[n][1] @ at_bind[n][2] for n in now}
-    fisher = {n: anchor.fisher[n].double() for n in deltas}
-    flat = torch.cat([f.reshape(-1) for f in fisher.values()])
-    threshold = torch.kthvalue(flat, math.ceil(free_fraction * flat.numel())).values
-    return {
-        f"cfp/{anchor.name}/sensitive_drift": math.sqrt(
-            sum(float((fisher[n] * d**2).sum()) for n, d in deltas.items())
-        ),
-        f"cfp/{anchor.name}/free_drift": math.sqrt(
-            sum(float(d[fisher[n] <= threshold].square().sum()) for n, d in deltas.items())
-        ),
-        "cfp/total_drift": math.sqrt(sum(float(d.square().sum()) for d in deltas.values())),
-    }
-
-
-def assert_metrics_match(measured, reference):
-    assert measured.keys() == reference.keys()
-    for key, value in reference.items():
-        assert value > 0, key
-        assert measured[key] == pytest.approx(value, rel=1e-6), (key, measured[key], value)
+    return drift_reference(deltas, anchor.fisher, anchor.name, free_fraction)
 
 
 def begin(anchor, model):
