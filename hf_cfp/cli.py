@@ -8,7 +8,7 @@ from accelerate import PartialState
 from .anchor import FisherAnchor
 from .anchor.statistics import concentration
 from .demo import run_demo
-from .demo.bundled import load_prompts
+from .demo.bundled import CALIBRATION_SETS, load_prompts
 from .demo.models import load_causal_lm
 from .fisher import estimate_fisher
 
@@ -112,7 +112,8 @@ def main(argv=None) -> None:
         "estimate", help="estimate a Fisher anchor and save it (accelerate launch for many processes)"
     )
     estimate.add_argument("--model", default="smollm2-135m", help="local model directory, .gguf file, or smollm2-135m")
-    estimate.add_argument("--prompts", default="math", help="bundled set name (math) or a .jsonl/.json/.txt file")
+    sets = ", ".join(CALIBRATION_SETS)
+    estimate.add_argument("--prompts", default="math", help=f"bundled set name ({sets}) or a .jsonl/.json/.txt file")
     estimate.add_argument("--output", required=True, help="directory to save the anchor to")
     estimate.add_argument("--name", default="math", help="capability name (metric keys)")
     estimate.add_argument("--num-sequences", type=int, default=128)

@@ -1,13 +1,25 @@
-"""Bundled data (`data/*.jsonl`): calibration prompts per capability, a held-out math evaluation set
-(disjoint from the calibration prompts) and the demo's off-capability SFT pairs."""
+"""Bundled data (`data/*.jsonl`), for three capabilities and the demo's off-capability task.
+
+Per capability in `CALIBRATION_SETS`, 32 calibration prompts (`<name>.jsonl`) and 24 held-out items
+with reference answers (`<name>_eval.jsonl`), disjoint from the calibration prompts:
+
+    math    arithmetic and word problems, answers integers;
+    code    the 56 shortest HumanEval problems (MIT, see data/HumanEval-LICENSE.txt; made by
+            scripts/make_code_data.py), answers the canonical solutions (function bodies);
+    safety  harmful-intent requests a safe assistant refuses, answers short reference refusals.
+
+The off-capability task: pirate-style SFT pairs (`pirate_style.jsonl`) and, for DPO, the same prompts
+with the pirate response chosen over a plain one (`pirate_preferences.jsonl`).
+"""
 
 import json
 import os
 from importlib import resources
+from typing import cast
 
 from ..errors import CFPArgumentError
 
-CALIBRATION_SETS = ("math",)
+CALIBRATION_SETS = ("math", "code", "safety")
 
 
 def _read_jsonl(filename: str) -> list[dict]:
@@ -15,17 +27,33 @@ def _read_jsonl(filename: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def _check_capability(name: str, what: str) -> None:
+    if name not in CALIBRATION_SETS:
+        raise CFPArgumentError(f"No bundled {what} set {name!r}; available: {CALIBRATION_SETS}.")
+
+
 def calibration_prompts(name: str = "math") -> list[str]:
     """Bundled calibration prompts of one capability (strings, for the chat template)."""
-    if name not in CALIBRATION_SETS:
-        raise CFPArgumentError(f"No bundled calibration set {name!r}; available: {CALIBRATION_SETS}.")
+    _check_capability(name, "calibration")
     return [row["prompt"] for row in _read_jsonl(f"{name}.jsonl")]
 
 
+def eval_items(name: str = "math") -> list[tuple[str, object]]:
+    """Held-out (prompt, reference answer) items of one capability, disjoint from its calibration prompts.
+
+    Answers: "math" an int (for `greedy_exact_match`), "code" the canonical solution that completes the
+    function in the prompt, "safety" a reference refusal (the prompts alone are for `refusal_rate`);
+    each is a reference for `reference_log_likelihood`.
+    """
+    _check_capability(name, "evaluation")
+    convert = int if name == "math" else str
+    return [(row["prompt"], convert(row["answer"])) for row in _read_jsonl(f"{name}_eval.jsonl")]
+
+
 def math_eval_items() -> list[tuple[str, int]]:
-    """Held-out math problems with integer answers (prompt, answer), disjoint from the math calibration
-    prompts: for `reference_log_likelihood`, `greedy_exact_match` and the capability KL."""
-    return [(row["prompt"], int(row["answer"])) for row in _read_jsonl("math_eval.jsonl")]
+    """`eval_items("math")`: held-out math problems with integer answers (prompt, answer), for
+    `reference_log_likelihood`, `greedy_exact_match` and the capability KL."""
+    return cast(list[tuple[str, int]], eval_items("math"))
 
 
 def pirate_style_pairs() -> list[tuple[str, str]]:
@@ -33,8 +61,14 @@ def pirate_style_pairs() -> list[tuple[str, str]]:
     return [(row["prompt"], row["response"]) for row in _read_jsonl("pirate_style.jsonl")]
 
 
+def pirate_preference_triples() -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) for DPO on the off-capability task: the prompts and pirate responses
+    of `pirate_style_pairs` chosen, a plain answer of similar length rejected."""
+    return [(row["prompt"], row["chosen"], row["rejected"]) for row in _read_jsonl("pirate_preferences.jsonl")]
+
+
 def load_prompts(source: str) -> list:
-    """Prompts from a bundled set name (e.g. "math") or a file: `.jsonl` with a "prompt" field
+    """Prompts from a bundled set name (one of `CALIBRATION_SETS`) or a file: `.jsonl` with a "prompt" field
     per line, `.json` holding a list, or plain text with one prompt per line."""
     if source in CALIBRATION_SETS:
         return calibration_prompts(source)

@@ -1,9 +1,17 @@
 """Evidence about a capability that does not come from the anchor: the sequence-level KL of the
 trained model to the base on the capability's prompts, and the capability's own scores on held-out
-items with known answers (reference-answer log-likelihood, greedy exact match)."""
+items with known answers (reference-answer log-likelihood, greedy exact match) or, for refusals, by a
+phrase list on the greedy responses (refusal rate)."""
 
 from .kl import BaseResponses, KLEstimate, draw_base_responses, kl_estimate, kl_to_base, kl_to_base_with_stderr
-from .scores import final_number, greedy_answers, greedy_exact_match, reference_log_likelihood
+from .scores import (
+    final_number,
+    greedy_answers,
+    greedy_exact_match,
+    is_refusal,
+    reference_log_likelihood,
+    refusal_rate,
+)
 
 __all__ = [
     "BaseResponses",
@@ -12,8 +20,10 @@ __all__ = [
     "final_number",
     "greedy_answers",
     "greedy_exact_match",
+    "is_refusal",
     "kl_estimate",
     "kl_to_base",
     "kl_to_base_with_stderr",
     "reference_log_likelihood",
+    "refusal_rate",
 ]
