@@ -44,7 +44,9 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_contains_the_package_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "hf_cfp/anchor/templates/fisher_anchor.md" in names
-    assert {"hf_cfp/demo/data/math.jsonl", "hf_cfp/demo/data/pirate_style.jsonl"} <= names
+    data = ["math", "math_eval", "code", "code_eval", "safety", "safety_eval", "pirate_style", "pirate_preferences"]
+    assert {f"hf_cfp/demo/data/{name}.jsonl" for name in data} <= names
+    assert "hf_cfp/demo/data/HumanEval-LICENSE.txt" in names  # the license of the code data travels with it
     assert not any(name.startswith("tests/") for name in names)
 
 
