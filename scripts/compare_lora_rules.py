@@ -57,7 +57,7 @@ def setup(model_name: str, tiny_anchor: str, out: Path):
     from hf_cfp import FisherAnchor, estimate_fisher
     from hf_cfp.demo.bundled import calibration_prompts, pirate_style_pairs
     from hf_cfp.demo.models import EMBEDDED, load_causal_lm
-    from hf_cfp.demo.run import _sft_examples, _tiny_setup
+    from hf_cfp.demo.run import sft_examples, _tiny_setup
 
     if model_name == "tiny":
         model, tokenizer, prompts, dataset = _tiny_setup()
@@ -66,7 +66,7 @@ def setup(model_name: str, tiny_anchor: str, out: Path):
         anchor = estimate_fisher(model, tokenizer, prompts, num_sequences=64, max_new_tokens=48, batch_size=8)
         return model, anchor, dataset, 3e-2
     model, tokenizer = load_causal_lm(EMBEDDED)
-    dataset = _sft_examples(tokenizer, pirate_style_pairs())
+    dataset = sft_examples(tokenizer, pirate_style_pairs())
     cached = out / "anchor-math"
     if any(cached.glob("fisher*.safetensors*")):
         print(f"anchor: cached in {cached}", flush=True)

@@ -1,11 +1,13 @@
 """Causal LMs without a download: a local directory, a GGUF file, the embedded SmolLM2-135M, or a tiny
-random Llama built from config (the one builder shared by the demo, the tests and the scripts)."""
+random Llama built from config and a tiny BPE tokenizer trained in memory (the one builder of each shared by
+the demo, the evidence experiment, the tests and the scripts)."""
 
 import importlib.util
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..errors import CFPArgumentError, CFPError
 
@@ -73,3 +75,31 @@ def tiny_llama(
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 300, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of `vocab_size` tokens trained in memory on `corpus` (default: 200 synthetic
+    sentences of a few words), with <pad>, </s> (eos) and a small chat template. Any text encodes
+    (bytes are the fallback alphabet); building it takes milliseconds."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    special = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    if corpus is None:
+        words = ["two", "plus", "three", "is", "five", "what", "the", "answer", "code", "print", "sum"]
+        corpus = [" ".join(words[(i * k) % len(words)] for k in range(1, 8)) for i in range(200)]
+    tokenizer.train_from_iterator(corpus, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped

@@ -31,7 +31,7 @@ from .capability import report_capability
 from .models import EMBEDDED, load_causal_lm, tiny_llama
 
 
-def _sft_examples(tokenizer, pairs) -> list[dict]:
+def sft_examples(tokenizer, pairs) -> list[dict]:
     """Chat-formatted (prompt, response) pairs, padded to one length; loss on response tokens only."""
     rows = []
     for prompt, response in pairs:
@@ -108,7 +108,7 @@ def run_demo(
         steps, num_sequences, default_lr = steps or 30, num_sequences or 64, (3e-2 if peft else 3e-3)
     else:
         model, tokenizer = load_causal_lm(EMBEDDED)
-        prompts, dataset = calibration_prompts("math"), _sft_examples(tokenizer, pirate_style_pairs())
+        prompts, dataset = calibration_prompts("math"), sft_examples(tokenizer, pirate_style_pairs())
         steps, num_sequences, default_lr = steps or 20, num_sequences or 16, (1e-3 if peft else 5e-5)
     learning_rate = default_lr if learning_rate is None else learning_rate
     arm_model = _lora_copy if peft else copy.deepcopy

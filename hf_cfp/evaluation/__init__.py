@@ -5,6 +5,7 @@ phrase list on the greedy responses (refusal rate)."""
 
 from .kl import BaseResponses, KLEstimate, draw_base_responses, kl_estimate, kl_to_base, kl_to_base_with_stderr
 from .scores import (
+    answer_log_probs,
     final_number,
     greedy_answers,
     greedy_exact_match,
@@ -14,6 +15,7 @@ from .scores import (
 )
 
 __all__ = [
+    "answer_log_probs",
     "BaseResponses",
     "KLEstimate",
     "draw_base_responses",

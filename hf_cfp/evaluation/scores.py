@@ -55,23 +55,29 @@ def _answer_ids(answers, tokenizer) -> list[list[int]]:
     return to_token_ids(items, tokenizer, what="answer")
 
 
-def reference_log_likelihood(model, tokenizer, prompts, answers, batch_size: int = 8) -> float:
-    """Mean per-token log-likelihood of the reference answers, in nats per token:
-
-        LL = (1/N) sum_i (1/|a_i|) sum_{t=1..|a_i|} log pi(a_i,t | x_i, a_i,<t),
-
-    pi the model's own softmax (temperature 1, no truncation), x_i the prompt as `estimate_fisher`
-    formats it, a_i the answer's tokens (numbers and strings encoded without special tokens, no EOS
-    appended; token-id lists as given). Scored in right-padded batches of `batch_size` in eval mode
-    (the model's train/eval mode is restored); 0 is the most it can be.
-    """
+def answer_log_probs(model, tokenizer, prompts, answers, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sums, lengths): log pi(a_i | x_i) = sum_{t=1..|a_i|} log pi(a_i,t | x_i, a_i,<t) for each item and
+    |a_i|, float64 [N] on CPU. pi is the model's own softmax (temperature 1, no truncation), x_i the prompt
+    as `estimate_fisher` formats it, a_i the answer's tokens (numbers and strings encoded without special
+    tokens, no EOS appended; token-id lists as given). Scored in right-padded batches of `batch_size` in
+    eval mode (the model's train/eval mode is restored)."""
     prompt_ids = to_token_ids(prompts, tokenizer)
     answer_ids = _answer_ids(answers, tokenizer)
     if len(prompt_ids) != len(answer_ids):
         raise CFPArgumentError(f"{len(prompt_ids)} prompts but {len(answer_ids)} answers; give one answer each.")
     pad_id = resolve_pad_id(tokenizer, resolve_eos_ids(model, tokenizer))
     sums = score_responses(model, prompt_ids, answer_ids, Sampler(1.0), pad_id, batch_size)
-    lengths = torch.tensor([len(a) for a in answer_ids], dtype=torch.float64)
+    return sums, torch.tensor([len(a) for a in answer_ids], dtype=torch.float64)
+
+
+def reference_log_likelihood(model, tokenizer, prompts, answers, batch_size: int = 8) -> float:
+    """Mean per-token log-likelihood of the reference answers, in nats per token:
+
+        LL = (1/N) sum_i (1/|a_i|) sum_{t=1..|a_i|} log pi(a_i,t | x_i, a_i,<t),
+
+    from `answer_log_probs` (same formatting and scoring); 0 is the most it can be.
+    """
+    sums, lengths = answer_log_probs(model, tokenizer, prompts, answers, batch_size)
     return float((sums / lengths).mean())
 
 

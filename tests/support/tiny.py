@@ -1,37 +1,11 @@
 """Tiny models and a tiny tokenizer built in memory: nothing is downloaded."""
 
 import torch
-from transformers import PreTrainedTokenizerFast
 
-from hf_cfp.demo.models import tiny_llama  # the one tiny-model builder (demo, scripts, tests)
+# the one tiny-model and tiny-tokenizer builders (demo, evidence, scripts, tests)
+from hf_cfp.demo.models import tiny_llama, tiny_tokenizer
 
-__all__ = ["CHAT_TEMPLATE", "anchor_for", "tiny_llama", "tiny_tokenizer", "torchrun"]
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def tiny_tokenizer(vocab_size=300):
-    """A byte-level BPE trained on a few synthetic sentences, with pad/eos tokens and a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    special = ["<unk>", "<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    words = ["two", "plus", "three", "is", "five", "what", "the", "answer", "code", "print", "sum"]
-    corpus = [" ".join(words[(i * k) % len(words)] for k in range(1, 8)) for i in range(200)]
-    tokenizer.train_from_iterator(corpus, trainer)
-    wrapped = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
-    wrapped.chat_template = CHAT_TEMPLATE
-    return wrapped
+__all__ = ["anchor_for", "tiny_llama", "tiny_tokenizer", "torchrun"]
 
 
 def anchor_for(model, name="math", seed=0):
