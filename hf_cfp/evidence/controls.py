@@ -52,8 +52,8 @@ class StepOnlyCallback(TrainerCallback):
     with theta' the optimizer's proposal and F the anchor's diagonal Fisher; equivalently lerp(theta', theta_t, w),
     w = lam F / (1 + lam F), the CFP correction (`hf_cfp.ops.apply_correction`) with theta_t in place of theta0.
     Under a constant proposal d the displacement grows linearly, t * d / (1 + lam F), where CFP's converges to
-    d / (lam F): the contrast the paper draws. Coordinates with F = 0 and lam = 0 keep the optimizer's proposal
-    exactly.
+    d / (lam F): the contrast the paper draws. Coordinates with F = 0 (all of them when lam = 0) keep the
+    optimizer's proposal exactly.
 
     A float32 copy of the covered parameters after the previous step (theta_t) is taken at train begin and
     refreshed after each correction, so no `on_step_begin` hook is needed. Plain models only: PEFT models,
@@ -75,7 +75,7 @@ class StepOnlyCallback(TrainerCallback):
         self.anchor = anchor
         self.lam = _check_lam(lam)
         # (params, theta_t, pull w) per (device, dtype) of the covered parameters; set at train begin
-        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], PullWeights]] = []
+        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], PullWeights]] | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -101,7 +101,7 @@ class StepOnlyCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not self.groups:
+        if self.groups is None:
             raise CFPError("StepOnlyCallback.on_step_end before on_train_begin: the anchor was never bound.")
         with torch.no_grad():
             for params, previous, weights in self.groups:
