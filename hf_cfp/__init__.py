@@ -2,7 +2,7 @@
 
 Layers, each importing only those below it:
 `errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
-< `evaluation` < `integrations` < `demo` < `cli`.
+< `evaluation` < `integrations` < `demo` < `evidence` < `cli`.
 """
 
 from .anchor import FisherAnchor

@@ -19,6 +19,7 @@ LAYERS = [
     ("evaluation",),
     ("integrations",),
     ("demo",),
+    ("evidence",),
     ("cli",),
     ("__init__",),
 ]

@@ -58,3 +58,45 @@ def last_cfp_logs(trainer):
     logged = [h for h in trainer.state.log_history if "loss" in h][-1]
     assert logged["step"] == trainer.state.max_steps
     return {k: v for k, v in logged.items() if k.startswith("cfp/")}
+
+
+def full_batch_rows(n=4, length=12, vocab=32, seed=0):
+    """`n` random token rows (labels = input ids) for `full_batch_trainer_args` and `adamw_loop`."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, vocab, (n, length), generator=g)]
+
+
+def full_batch_trainer_args(output_dir, rows, steps, lr=1e-2, **overrides):
+    """TrainingArguments whose run `adamw_loop` repeats by hand: every step one batch of all `rows` in order,
+    torch AdamW (no weight decay) at a constant `lr`, no gradient clipping; logging every step."""
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=len(rows),
+        train_sampling_strategy="sequential",
+        optim="adamw_torch",
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+    )
+    return TrainingArguments(**{**settings, **overrides})
+
+
+def adamw_loop(model, rows, steps, lr=1e-2, after_step=lambda: None):
+    """The Trainer run of `full_batch_trainer_args`, by hand: `steps` times the mean token cross-entropy of all
+    `rows`, backward, torch.optim.AdamW(lr, weight_decay=0).step(), then `after_step()` (a correction rule)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    model.train()
+    for _ in range(steps):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after_step()

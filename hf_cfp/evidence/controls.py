@@ -1,0 +1,185 @@
+"""The control methods the evidence table compares CFP with (everything in the table that is not CFP).
+
+- `isotropic_anchor`: CFP with F replaced by its mean, F_iso_i = (1/n) sum_j F_j (same total mass, no
+  shape): run it through `CFPCallback` to ask whether the Fisher's shape matters, not only its scale.
+- `StepOnlyCallback`: the step-only variant, which preconditions the latest step instead of the path,
+  theta_{t+1} = theta_t + d_t / (1 + lam F).
+- `KLPenaltySFTTrainer`: supervised fine-tuning with a token-level KL penalty to a frozen reference model,
+  loss = CE + beta * KLbar.
+"""
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.nn.functional as nnf
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from ..anchor import FisherAnchor, check_fingerprint
+from ..errors import CFPArgumentError, CFPError
+from ..integrations.callback import _check_lam
+from ..ops import PullWeights, apply_correction
+from ..parallel.deepspeed import uses_deepspeed
+from ..protection import bind_anchor, peft_view
+
+IGNORE_INDEX = -100  # the label of positions the cross-entropy skips (transformers' convention)
+
+
+def isotropic_anchor(anchor: FisherAnchor, name: str = "isotropic") -> FisherAnchor:
+    """`anchor` with every coordinate's F replaced by the mean over all its n coordinates:
+
+        F_iso_i = (1/n) sum_j F_j   (the sum in float64, stored as float32).
+
+    Same tensor names and shapes, the same total mass sum_i F_i, no shape: `CFPCallback(isotropic_anchor(a),
+    lam)` is CFP with F replaced by its mean, i.e. theta0 + (theta' - theta0) / (1 + lam * mean F) on every
+    covered coordinate. The metadata is copied (so `base_fingerprint` still binds it to the same base model)
+    with `derived_from` (the anchor's name) and `transform` ("isotropic mean") added.
+    """
+    total = sum(float(f.double().sum()) for f in anchor.fisher.values())
+    mean = total / sum(f.numel() for f in anchor.fisher.values())
+    fisher = {n: torch.full_like(f, mean) for n, f in anchor.fisher.items()}
+    metadata = {**anchor.metadata, "derived_from": anchor.name, "transform": "isotropic mean"}
+    return FisherAnchor(fisher, name=name, metadata=metadata)
+
+
+class StepOnlyCallback(TrainerCallback):
+    r"""
+    The step-only control: after every optimizer step, only that step is preconditioned, not the path.
+
+    $$\theta_{t+1} = \theta_t + \frac{d_t}{1 + \lambda F}, \qquad d_t = \theta'_{t+1} - \theta_t$$
+
+    with theta' the optimizer's proposal and F the anchor's diagonal Fisher; equivalently lerp(theta', theta_t, w),
+    w = lam F / (1 + lam F), the CFP correction (`hf_cfp.ops.apply_correction`) with theta_t in place of theta0.
+    Under a constant proposal d the displacement grows linearly, t * d / (1 + lam F), where CFP's converges to
+    d / (lam F): the contrast the paper draws. Coordinates with F = 0 (all of them when lam = 0) keep the
+    optimizer's proposal exactly.
+
+    A float32 copy of the covered parameters after the previous step (theta_t) is taken at train begin and
+    refreshed after each correction, so no `on_step_begin` hook is needed. Plain models only: PEFT models,
+    sharded parameters and DeepSpeed raise `CFPArgumentError`.
+
+    To log drift, add a measuring `CFPCallback(anchor, lam=0.0, monitor=[...])` and list it after this callback,
+    `callbacks=[StepOnlyCallback(anchor, lam), CFPCallback(anchor, lam=0.0)]`, so that a callback acting in
+    `on_step_end` sees the corrected weights. (The Trainer calls `on_log`, where CFPCallback measures, after every
+    callback's `on_step_end`, so the logged drift is that of the corrected weights in either order.)
+
+    Args:
+        anchor ([`FisherAnchor`]): the Fisher F, keyed by the model's parameter names.
+        lam (`float`): the strength lam >= 0.
+    """
+
+    def __init__(self, anchor: FisherAnchor, lam: float):
+        if not isinstance(anchor, FisherAnchor):
+            raise CFPArgumentError(f"StepOnlyCallback needs a FisherAnchor, got {type(anchor).__name__}.")
+        self.anchor = anchor
+        self.lam = _check_lam(lam)
+        # (params, theta_t, pull w) per (device, dtype) of the covered parameters; set at train begin
+        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], PullWeights]] | None = None
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        model = kwargs["model"]
+        if peft_view(model) is not None or uses_deepspeed(model, args):
+            raise CFPArgumentError("StepOnlyCallback supports plain models only, not PEFT models or DeepSpeed.")
+        check_fingerprint(self.anchor.metadata.get("base_fingerprint"), model, self.anchor.name)
+        by_kind: defaultdict[tuple, tuple[list, list]] = defaultdict(lambda: ([], []))
+        for bound in bind_anchor(self.anchor, model):
+            if bound.sharded:
+                raise CFPArgumentError(
+                    f"StepOnlyCallback: parameter {bound.name!r} is sharded across processes; plain models only."
+                )
+            params, fisher = by_kind[(bound.param.device, bound.param.dtype)]
+            params.append(bound.param)
+            fisher.append(bound.fisher)
+        self.groups = [
+            (params, [p.detach().float().clone() for p in params], PullWeights(fisher))
+            for params, fisher in by_kind.values()
+        ]
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        if self.groups is None:
+            raise CFPError("StepOnlyCallback.on_step_end before on_train_begin: the anchor was never bound.")
+        with torch.no_grad():
+            for params, previous, weights in self.groups:
+                apply_correction(params, previous, weights.at(self.lam))
+                torch._foreach_copy_(previous, params)
+
+
+class KLPenaltySFTTrainer(Trainer):
+    r"""
+    Supervised fine-tuning with a KL penalty to a frozen reference model (the KL control of the evidence table):
+
+    $$L = \mathrm{CE} + \beta\,\overline{\mathrm{KL}}, \qquad
+      \overline{\mathrm{KL}} = \frac{1}{N} \sum_{t:\ \ell_{t+1} \ne -100} \sum_v p_{\theta,v}(x_{\le t})
+      \big(\log p_{\theta,v}(x_{\le t}) - \log p_{\mathrm{ref},v}(x_{\le t})\big)$$
+
+    the full-vocabulary token KL(pi_theta(.|ctx_t) || pi_ref(.|ctx_t)) at every position whose next-token label
+    ell_{t+1} is scored by the cross-entropy, averaged the way the CE is: over the `num_items_in_batch` labels of
+    the accumulated batch when the Trainer passes that count to the model, otherwise over this batch's N labels.
+    No gradient flows through the reference, which is moved to the training device and put in eval mode. Every
+    mean KLbar of a training batch is averaged into `kl_penalty` in the Trainer's logs. beta = 0 gives exactly the
+    plain Trainer's loss (the reference is not even run). One process only.
+
+    Args:
+        ref_model (`torch.nn.Module`): the frozen reference pi_ref, a causal LM over the same vocabulary
+            (typically a copy of the model before training); not the trained model itself.
+        kl_beta (`float`): beta >= 0.
+        *args, **kwargs: those of [`~transformers.Trainer`].
+
+    ```python
+    ref = copy.deepcopy(model)
+    trainer = KLPenaltySFTTrainer(model=model, args=args, train_dataset=ds, ref_model=ref, kl_beta=0.1)
+    ```
+    """
+
+    def __init__(self, *args: Any, ref_model: nn.Module | None = None, kl_beta: float = 0.0, **kwargs: Any):
+        if ref_model is None:
+            raise CFPArgumentError("KLPenaltySFTTrainer needs ref_model=, the frozen reference (e.g. a model copy).")
+        if isinstance(kl_beta, bool) or not isinstance(kl_beta, (int, float)) or not 0 <= kl_beta < float("inf"):
+            raise CFPArgumentError(f"kl_beta must be a finite number >= 0, got {kl_beta!r}.")
+        super().__init__(*args, **kwargs)
+        if ref_model is self.model:
+            raise CFPArgumentError("ref_model is the model being trained: pass a frozen copy (copy.deepcopy(model)).")
+        if self.args.world_size > 1:
+            raise CFPArgumentError("KLPenaltySFTTrainer runs on one process; the KL term is not averaged across them.")
+        self.ref_model = ref_model.to(self.args.device).eval()
+        self.kl_beta = float(kl_beta)
+        self._kl_means: list[float] = []  # KLbar of each training batch since the last log
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """CE (the Trainer's own loss) + kl_beta * KLbar (class docstring)."""
+        if self.kl_beta == 0:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"]  # read first: the Trainer may pop it from `inputs`
+        with torch.no_grad():
+            ref_logits = self.ref_model(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        mask = labels[:, 1:] != IGNORE_INDEX
+        log_p = nnf.log_softmax(outputs.logits[:, :-1].float(), dim=-1)[mask]
+        log_ref = nnf.log_softmax(ref_logits[:, :-1].float(), dim=-1)[mask]
+        kl_sum = (log_p.exp() * (log_p - log_ref)).sum()
+        count = mask.sum().clamp(min=1)
+        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+            count = num_items_in_batch  # the CE's own divisor: the labels of the whole accumulated batch
+        kl = kl_sum / count
+        if model.training:
+            self._kl_means.append(float(kl_sum.detach()) / max(int(mask.sum()), 1))
+        loss = loss + self.kl_beta * kl.to(loss.dtype)
+        return (loss, outputs) if return_outputs else loss
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """The Trainer's log, plus `kl_penalty`: the mean KLbar of the training batches since the last log."""
+        if "loss" in logs and self._kl_means:
+            logs["kl_penalty"] = sum(self._kl_means) / len(self._kl_means)
+            self._kl_means = []
+        super().log(logs, start_time)
