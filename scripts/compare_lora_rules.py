@@ -57,7 +57,7 @@ def setup(model_name: str, tiny_anchor: str, out: Path):
     from hf_cfp import FisherAnchor, estimate_fisher
     from hf_cfp.demo.bundled import calibration_prompts, pirate_style_pairs
     from hf_cfp.demo.models import EMBEDDED, load_causal_lm
-    from hf_cfp.demo.run import sft_examples, _tiny_setup
+    from hf_cfp.demo.run import _tiny_setup, sft_examples
 
     if model_name == "tiny":
         model, tokenizer, prompts, dataset = _tiny_setup()

@@ -1,0 +1,147 @@
+"""Run the evidence experiment: anchors, base references, then every arm of the plan, one result per line.
+
+Results go to `<output_dir>/results.jsonl` as they finish (one JSON object per arm, plus one for the base
+model), so an interrupted run keeps what it measured and `resume=True` skips arms already there. Anchors are
+saved under `<output_dir>/anchors/` and reused on the next run with the same output directory.
+"""
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..anchor import FisherAnchor
+from ..demo.bundled import calibration_prompts, eval_items, pirate_preference_triples, pirate_style_pairs
+from ..demo.models import load_causal_lm, tiny_llama, tiny_tokenizer
+from ..fisher import estimate_fisher
+from .controls import isotropic_anchor
+from .measure import CapabilityProbe
+from .plan import DOMAINS, Arm, Plan
+from .training import train_arm
+
+
+def tiny_model_and_tokenizer():
+    """A random tiny Llama (hidden 32, 2 layers) and a 512-token BPE trained on every bundled text, so the
+    pipeline runs on the same data as the embedded model in seconds. Its numbers mean nothing about math."""
+    corpus = [p for d in DOMAINS for p in calibration_prompts(d)]
+    corpus += [f"{p} {a}" for d in DOMAINS for p, a in eval_items(d)]
+    corpus += [f"{p} {r}" for p, r in pirate_style_pairs()] + [r for _, _, r in pirate_preference_triples()]
+    tokenizer = tiny_tokenizer(vocab_size=512, corpus=corpus)
+    model = tiny_llama(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        heads=4,
+        eos_token_id=tokenizer.eos_token_id,
+        max_position_embeddings=1024,
+    )
+    return model, tokenizer
+
+
+def _estimated(model, tokenizer, domain, num_sequences, estimator, seed, plan, path: Path, name) -> FisherAnchor:
+    """An anchor saved at `path`, or estimated from `num_sequences` of the model's own responses and saved."""
+    if (path / "anchor_config.json").exists():
+        return FisherAnchor.from_pretrained(str(path))
+    print(f"Estimating anchor {name!r}: {num_sequences} {domain} sequences, {estimator} estimator, seed {seed}")
+    anchor = estimate_fisher(
+        model,
+        tokenizer,
+        calibration_prompts(domain),
+        num_sequences=num_sequences,
+        max_new_tokens=plan.anchor_new_tokens,
+        batch_size=8,
+        seed=seed,
+        name=name,
+        estimator=estimator,
+    )
+    anchor.save_pretrained(path)
+    return anchor
+
+
+def pooled(parts: list[FisherAnchor], name: str) -> FisherAnchor:
+    """The anchor of all the parts' sequences together: F = (1/K) sum_k F_k for K parts of equally many
+    sequences drawn with different seeds (a mean of independent per-sequence squared scores)."""
+    fisher = {
+        key: torch.stack([part.fisher[key].double() for part in parts]).mean(0).float() for key in parts[0].fisher
+    }
+    metadata = {**parts[0].metadata, "pooled_from": [part.name for part in parts]}
+    metadata.pop("statistics", None)
+    return FisherAnchor(fisher, name=name, metadata=metadata)
+
+
+def load_or_estimate_anchors(model, tokenizer, plan: Plan, directory: Path) -> dict[str, FisherAnchor]:
+    """The math, code and safety anchors (`plan.anchor_sequences` each, sequence estimator, seed 0); the
+    quality sweep's math anchors (`plan.quality_anchors`): a multiple K of `anchor_sequences` pools K parts of
+    seeds 0..K-1 (`pooled`), any other size is estimated on its own; and `isotropic` (math's F replaced by its
+    mean). Each estimate is saved to / loaded from `directory/<name>`."""
+    n = plan.anchor_sequences
+    anchors = {d: _estimated(model, tokenizer, d, n, "sequence", 0, plan, directory / d, d) for d in DOMAINS}
+    for name, (size, estimator) in plan.quality_anchors().items():
+        if estimator == "sequence" and size % n == 0:
+            parts = [anchors["math"]] + [
+                _estimated(
+                    model, tokenizer, "math", n, "sequence", k, plan, directory / f"math_part{k}", f"math_part{k}"
+                )
+                for k in range(1, size // n)
+            ]
+            anchors[name] = pooled(parts, name)
+        else:
+            anchors[name] = _estimated(model, tokenizer, "math", size, estimator, 0, plan, directory / name, name)
+    anchors["isotropic"] = isotropic_anchor(anchors["math"])
+    return anchors
+
+
+def is_table_row(arm: Arm | dict, plan: Plan) -> bool:
+    """Whether the arm (an `Arm` or its dict) is a row of the tables."""
+    arm = Arm(**arm) if isinstance(arm, dict) else arm
+    kl_betas = plan.sft_kl_betas if arm.optimizer == "sft" else plan.dpo_kl_betas
+    if arm.method == "unregularized":
+        return True
+    if arm.method == "kl":
+        return arm.strength == kl_betas[0]
+    return arm.strength == plan.table_strength and arm.anchor in DOMAINS
+
+
+def _done(path: Path) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    return {row["key"]: row for row in map(json.loads, path.read_text().splitlines()) if row}
+
+
+def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = True) -> list[dict]:
+    """Every arm of `plan` on `model_name` ("tiny" or a model `load_causal_lm` takes); returns the result rows
+    (those already in `results.jsonl` with `resume`)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = _done(results_path) if resume else {}
+    if not resume:
+        results_path.unlink(missing_ok=True)
+    base_model, tokenizer = tiny_model_and_tokenizer() if model_name == "tiny" else load_causal_lm(model_name)
+    anchors = load_or_estimate_anchors(base_model, tokenizer, plan, out / "anchors")
+    print("Drawing the base model's held-out responses (once)", flush=True)
+    probe = CapabilityProbe(base_model, tokenizer, plan)
+    if "base" not in done:
+        done["base"] = {"key": "base", "metrics": probe.measure(base_model, greedy=True)}
+        _append(results_path, done["base"])
+    arms = plan.arms()
+    bar = tqdm(arms, desc="arms", unit="arm")
+    for arm in bar:
+        if arm.key in done:
+            continue
+        bar.set_postfix_str(arm.key)
+        start = time.perf_counter()
+        model, drift = train_arm(arm, base_model, tokenizer, anchors, plan, out / "runs")
+        metrics = {**drift, **probe.measure(model, greedy=is_table_row(arm, plan) and arm.seed == plan.seeds[0])}
+        row = {"key": arm.key, "arm": asdict(arm), "metrics": metrics, "seconds": time.perf_counter() - start}
+        done[arm.key] = row
+        _append(results_path, row)
+        tqdm.write(f"{arm.key}: math kl {metrics['math/kl']:.4g}, {time.perf_counter() - start:.0f} s")
+    return [done[key] for key in ["base", *(arm.key for arm in arms)]]
+
+
+def _append(path: Path, row: dict) -> None:
+    with path.open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps(row) + "\n")

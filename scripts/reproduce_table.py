@@ -1,0 +1,47 @@
+"""Reproduce the structure of the paper's table on the embedded SmolLM2-135M (or a tiny random model).
+
+    python scripts/reproduce_table.py --tiny              # the whole pipeline in about a minute
+    python scripts/reproduce_table.py --plot              # the embedded model (see README "Evidence")
+
+Rows are methods (unregularized, KL control, CFP with the math / code / safety anchors, step-only,
+isotropic), columns are domains; each arm is trained with SFT and with DPO (TRL) from the same weights,
+and measured on held-out capability prompts (kl_to_base, scores) and on the task. Results, tables
+(`evidence.md`) and the frontier plot (`frontier.png`) go to --output-dir; an interrupted run resumes.
+What each arm is and how it is measured: `hf_cfp/evidence/` (plan.py, training.py, measure.py).
+"""
+
+import argparse
+import os
+from pathlib import Path
+
+import datasets
+
+from hf_cfp.demo.models import EMBEDDED
+from hf_cfp.evidence.plan import EMBEDDED as EMBEDDED_PLAN
+from hf_cfp.evidence.plan import TINY
+from hf_cfp.evidence.report import markdown_report, plot_frontiers
+from hf_cfp.evidence.run import is_table_row, run_experiment
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a random tiny Llama: checks the pipeline, not the method")
+    parser.add_argument("--output-dir", default=None, help="default: evidence-tiny or evidence-smollm2")
+    parser.add_argument("--plot", action="store_true", help="also draw frontier.png (needs matplotlib)")
+    parser.add_argument("--fresh", action="store_true", help="ignore results of an earlier run in --output-dir")
+    args = parser.parse_args(argv)
+    datasets.disable_progress_bars()  # TRL maps the 16 preference pairs once per arm
+    plan = TINY if args.tiny else EMBEDDED_PLAN
+    out = Path(args.output_dir or ("evidence-tiny" if args.tiny else "evidence-smollm2"))
+    rows = run_experiment(plan, "tiny" if args.tiny else EMBEDDED, str(out), resume=not args.fresh)
+    report = markdown_report(rows, plan.optimizers, lambda arm: is_table_row(arm, plan))
+    (out / "evidence.md").write_text(report, encoding="utf-8")
+    print("\n" + report + f"\nTables: {out / 'evidence.md'}")
+    if args.plot:
+        plot_frontiers(rows, plan.optimizers, plan.seeds[0], out / "frontier.png")
+        print(f"Plot: {out / 'frontier.png'}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
