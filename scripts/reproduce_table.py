@@ -20,7 +20,7 @@ from hf_cfp.demo.models import EMBEDDED
 from hf_cfp.evidence.plan import EMBEDDED as EMBEDDED_PLAN
 from hf_cfp.evidence.plan import TINY
 from hf_cfp.evidence.report import markdown_report, plot_frontiers
-from hf_cfp.evidence.run import is_table_row, run_experiment
+from hf_cfp.evidence.run import run_experiment
 
 
 def main(argv=None) -> None:
@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     plan = TINY if args.tiny else EMBEDDED_PLAN
     out = Path(args.output_dir or ("evidence-tiny" if args.tiny else "evidence-smollm2"))
     rows = run_experiment(plan, "tiny" if args.tiny else EMBEDDED, str(out), resume=not args.fresh)
-    report = markdown_report(rows, plan.optimizers, lambda arm: is_table_row(arm, plan))
+    report = markdown_report(rows, plan.optimizers, plan.is_table_row)
     (out / "evidence.md").write_text(report, encoding="utf-8")
     print("\n" + report + f"\nTables: {out / 'evidence.md'}")
     if args.plot:

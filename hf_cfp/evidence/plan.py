@@ -14,8 +14,8 @@ the pirate preference pairs), a method and its strength, and a seed. Methods:
   lam and total mass without the shape.
 
 The table rows use `Plan.table_strength` (c = 1: lam = 1/p99, the README's rule) and the first KL
-strength; the other strengths only add points to the frontier. Greedy scores (math exact match, refusal
-rate: the costliest measurements) are taken on the table rows of the first seed only.
+strength; the other strengths only add points to the frontier, drawn from the first seed. Every seed repeats
+the table rows; greedy scores are taken on a few rows of the first seed (`Plan.measures_greedy`).
 """
 
 from dataclasses import dataclass, field
@@ -75,25 +75,46 @@ class Plan:
             anchors["math_token"] = (self.token_sequences, "token")
         return anchors
 
+    def kl_betas(self, optimizer: str) -> tuple[float, ...]:
+        return self.sft_kl_betas if optimizer == "sft" else self.dpo_kl_betas
+
+    def is_table_row(self, arm: Arm | dict) -> bool:
+        """A row of the tables: the unregularized run, the first KL strength, and the other methods at
+        `table_strength` with one of the three domain anchors. `arm` is an `Arm` or its dict."""
+        arm = Arm(**arm) if isinstance(arm, dict) else arm
+        if arm.method == "unregularized":
+            return True
+        if arm.method == "kl":
+            return arm.strength == self.kl_betas(arm.optimizer)[0]
+        return arm.strength == self.table_strength and arm.anchor in DOMAINS
+
+    def measures_greedy(self, arm: Arm) -> bool:
+        """Greedy scores (math exact match, refusal rate: the costliest measurements) on the first seed's
+        unregularized, first-KL, CFP [math] and CFP [safety] rows only."""
+        return (
+            arm.seed == self.seeds[0]
+            and self.is_table_row(arm)
+            and arm.method in ("unregularized", "kl", "cfp")
+            and arm.anchor in (None, "math", "safety")
+        )
+
     def arms(self) -> list[Arm]:
-        """Every arm, seed by seed (so an interrupted run has whole seeds): the table rows and sweeps of
-        each optimizer, then (SFT, first seed) CFP with each quality anchor at every strength."""
+        """The first seed runs every strength of every method (the frontier) and, for SFT, CFP with each
+        quality anchor; the other seeds repeat the table rows (their means and spread)."""
         arms = []
         for seed in self.seeds:
             for optimizer in self.optimizers:
-                kl_betas = self.sft_kl_betas if optimizer == "sft" else self.dpo_kl_betas
-                arms.append(Arm(optimizer, "unregularized", 0.0, seed))
-                arms += [Arm(optimizer, "kl", beta, seed) for beta in kl_betas]
-                arms += [Arm(optimizer, "cfp", c, seed, "math") for c in self.cfp_strengths]
-                arms += [Arm(optimizer, "cfp", self.table_strength, seed, domain) for domain in DOMAINS[1:]]
-                arms += [Arm(optimizer, "step_only", c, seed, "math") for c in self.cfp_strengths]
-                arms += [Arm(optimizer, "isotropic", c, seed, "math") for c in self.isotropic_strengths]
-        if "sft" in self.optimizers:
-            arms += [
-                Arm("sft", "cfp", c, self.seeds[0], name)
-                for name in self.quality_anchors()
-                for c in self.cfp_strengths
-            ]
+                every = [Arm(optimizer, "unregularized", 0.0, seed)]
+                every += [Arm(optimizer, "kl", beta, seed) for beta in self.kl_betas(optimizer)]
+                every += [Arm(optimizer, "cfp", c, seed, "math") for c in self.cfp_strengths]
+                every += [Arm(optimizer, "cfp", self.table_strength, seed, domain) for domain in DOMAINS[1:]]
+                every += [Arm(optimizer, "step_only", c, seed, "math") for c in self.cfp_strengths]
+                every += [Arm(optimizer, "isotropic", c, seed, "math") for c in self.isotropic_strengths]
+                arms += [arm for arm in every if seed == self.seeds[0] or self.is_table_row(arm)]
+            if seed == self.seeds[0] and "sft" in self.optimizers:
+                arms += [
+                    Arm("sft", "cfp", c, seed, name) for name in self.quality_anchors() for c in self.cfp_strengths
+                ]
         return arms
 
 
@@ -121,7 +142,7 @@ TINY = Plan(
 
 EMBEDDED = Plan(
     seeds=(0, 1),
-    steps=10,
+    steps=8,
     batch_size=4,
     dpo_batch_size=2,
     sft_learning_rate=1e-4,
@@ -134,7 +155,7 @@ EMBEDDED = Plan(
     dpo_kl_betas=(0.5, 2.5),
     isotropic_strengths=(1.0, 100.0),
     quality_sequences=(16, 64, 128),
-    token_sequences=16,
+    token_sequences=4,
     kl_prompts=8,
     kl_samples=2,
     kl_new_tokens=32,

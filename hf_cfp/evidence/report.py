@@ -124,16 +124,20 @@ def frontier_points(rows: list[dict], optimizer: str, anchors, seeds=None) -> di
 
 
 def plot_frontiers(rows: list[dict], optimizers, quality_seed: int, path: Path) -> None:
-    """One panel per optimizer (all methods) and one for the anchor-quality sweep (SFT, `quality_seed`)."""
+    """One panel per optimizer (all methods) and one for the anchor-quality sweep (SFT), all from the seed
+    that ran every strength (`quality_seed`)."""
     import matplotlib  # optional (the `demo` extra): only `--plot` needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after choosing the Agg backend: no display needed
 
     methods = (None, "math")
-    panels = [(o, frontier_points(rows, o, methods), f"{o.upper()}: methods (means over seeds)") for o in optimizers]
+    seed = {quality_seed}
+    panels = [
+        (o, frontier_points(rows, o, methods, seed), f"{o.upper()}: methods (seed {quality_seed})") for o in optimizers
+    ]
     math_anchors = {row["arm"]["anchor"] for row in rows if str(row.get("arm", {}).get("anchor")).startswith("math")}
-    quality = frontier_points(rows, "sft", math_anchors, seeds={quality_seed})
+    quality = frontier_points(rows, "sft", math_anchors, seed)
     quality = {label: curve for label, curve in quality.items() if label.startswith(("CFP", "isotropic"))}
     panels.append(("sft", quality, f"SFT: math anchors of other sizes / estimator (seed {quality_seed})"))
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))

@@ -19,7 +19,7 @@ from ..demo.models import load_causal_lm, tiny_llama, tiny_tokenizer
 from ..fisher import estimate_fisher
 from .controls import isotropic_anchor
 from .measure import CapabilityProbe
-from .plan import DOMAINS, Arm, Plan
+from .plan import DOMAINS, Plan
 from .training import train_arm
 
 
@@ -93,17 +93,6 @@ def load_or_estimate_anchors(model, tokenizer, plan: Plan, directory: Path) -> d
     return anchors
 
 
-def is_table_row(arm: Arm | dict, plan: Plan) -> bool:
-    """Whether the arm (an `Arm` or its dict) is a row of the tables."""
-    arm = Arm(**arm) if isinstance(arm, dict) else arm
-    kl_betas = plan.sft_kl_betas if arm.optimizer == "sft" else plan.dpo_kl_betas
-    if arm.method == "unregularized":
-        return True
-    if arm.method == "kl":
-        return arm.strength == kl_betas[0]
-    return arm.strength == plan.table_strength and arm.anchor in DOMAINS
-
-
 def _done(path: Path) -> dict[str, dict]:
     if not path.exists():
         return {}
@@ -134,7 +123,7 @@ def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = 
         bar.set_postfix_str(arm.key)
         start = time.perf_counter()
         model, drift = train_arm(arm, base_model, tokenizer, anchors, plan, out / "runs")
-        metrics = {**drift, **probe.measure(model, greedy=is_table_row(arm, plan) and arm.seed == plan.seeds[0])}
+        metrics = {**drift, **probe.measure(model, greedy=plan.measures_greedy(arm))}
         row = {"key": arm.key, "arm": asdict(arm), "metrics": metrics, "seconds": time.perf_counter() - start}
         done[arm.key] = row
         _append(results_path, row)
