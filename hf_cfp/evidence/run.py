@@ -42,7 +42,7 @@ def tiny_model_and_tokenizer():
 
 def _estimated(model, tokenizer, domain, num_sequences, estimator, seed, plan, path: Path, name) -> FisherAnchor:
     """An anchor saved at `path`, or estimated from `num_sequences` of the model's own responses and saved."""
-    if (path / "anchor_config.json").exists():
+    if (path / "cfp_config.json").exists():
         return FisherAnchor.from_pretrained(str(path))
     print(f"Estimating anchor {name!r}: {num_sequences} {domain} sequences, {estimator} estimator, seed {seed}")
     anchor = estimate_fisher(
