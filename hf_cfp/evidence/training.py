@@ -91,7 +91,9 @@ def _dpo_trainer(arm, model, base_model, tokenizer, plan, callbacks, output_dir)
     )
     return DPOTrainer(
         model=model,
-        ref_model=copy.deepcopy(base_model),  # a copy: the trainers put their reference in eval mode and prepare it
+        # a copy: accelerate's prepare_model sets an instance `forward` wrapper on the reference, and deep
+        # copies of a model carrying it keep calling the original's forward (later arms would not train)
+        ref_model=copy.deepcopy(base_model),
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,

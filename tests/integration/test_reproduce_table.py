@@ -14,6 +14,8 @@ import pytest
 
 from hf_cfp.evidence.plan import TINY
 
+pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reproduce_table.py"
 
 
