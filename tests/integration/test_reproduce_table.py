@@ -1,8 +1,8 @@
 """`python scripts/reproduce_table.py --tiny` end to end (about a minute on one thread): every arm of the tiny
 plan trains and is measured, the tables and the frontier plot are written, and a second call resumes from
-`results.jsonl` without training again. Numbers checked: the base row's KL is exactly 0; each seed's CFP [math]
-at the larger strength leaves less math-sensitive drift than the same seed's unregularized run (lam > 0 reaches
-the weights); the drift table's entries are the ratios of the stored DtFD values."""
+`results.jsonl` without training again. Numbers checked: the base row's KL is exactly 0; every seed's
+unregularized SFT run learns its task, and its CFP [math] run leaves less than half the math-sensitive drift
+(lam > 0 reaches the weights); the drift table's entries are the ratios of the stored DtFD values."""
 
 import json
 import os
@@ -47,10 +47,10 @@ def test_every_arm_ran_and_the_outputs_are_written(tiny_run):
 def test_the_numbers_hang_together(tiny_run):
     out, _, rows = tiny_run
     assert all(rows["base"]["metrics"][f"{d}/kl"] == 0.0 for d in ("math", "code", "safety"))
-    strong = max(TINY.cfp_strengths)
-    for seed in TINY.seeds[:1]:
+    for seed in TINY.seeds:  # later seeds run after DPO arms: a reference model that leaked would stop them training
         unregularized = rows[f"sft/unregularized@0/seed{seed}"]["metrics"]
-        protected = rows[f"sft/cfp[math]@{strong:g}/seed{seed}"]["metrics"]
+        protected = rows[f"sft/cfp[math]@{TINY.table_strength:g}/seed{seed}"]["metrics"]
+        assert unregularized["task/sft_gain"] > 0.1
         assert protected["math/dtfd"] < 0.5 * unregularized["math/dtfd"]
     # the drift table's CFP [math] cell: mean over seeds of DtFD / DtFD_unregularized - 1
     ratios = [
