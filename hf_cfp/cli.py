@@ -1,4 +1,4 @@
-"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`."""
+"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`."""
 
 import argparse
 import json
@@ -6,10 +6,12 @@ import json
 from accelerate import PartialState
 
 from .anchor import FisherAnchor
+from .anchor.compare import compare_anchors
 from .anchor.statistics import concentration
 from .demo import run_demo
 from .demo.bundled import CALIBRATION_SETS, load_prompts
 from .demo.models import load_causal_lm
+from .errors import CFPError
 from .fisher import estimate_fisher
 
 
@@ -63,6 +65,21 @@ def _inspect(args) -> None:
     anchor = _load(args)
     print(repr(anchor))
     print(json.dumps({**anchor.metadata, "concentration": concentration(anchor.fisher)}, indent=2, sort_keys=True))
+
+
+def _compare(args) -> None:
+    a, b = (FisherAnchor.from_pretrained(ref, local_files_only=args.offline) for ref in (args.a, args.b))
+    result = compare_anchors(a, b)
+    width = max([len(row["type"]) for row in result["module_types"]] + [30]) + 2
+    print(f"A: {args.a} (anchor {a.name!r})\nB: {args.b} (anchor {b.name!r})")
+    print(f"{result['num_parameters']:,} coordinates\n\ntop-set overlap |T(A) & T(B)| / |T|")
+    for label, overlap in result["top_overlap"].items():
+        print(f"{'  top ' + label:<{width}}{overlap:>18.4f}")
+    print(
+        f"{'cosine(F_A, F_B)':<{width}}{result['cosine']:>18.6f}\n\n{'module type':<{width}}{'A mass':>9}{'B mass':>9}"
+    )
+    for row in result["module_types"]:
+        print(f"{row['type']:<{width}}{row['share_a']:>9.2%}{row['share_b']:>9.2%}")
 
 
 def _pull(args) -> None:
@@ -146,8 +163,18 @@ def main(argv=None) -> None:
         if command == "pull":
             sub.add_argument("--output", default=None, help="also save a copy to this directory")
         sub.set_defaults(run=run)
+    compare = commands.add_parser(
+        "compare", help="top-set overlap, cosine and mass per module type of two anchors over the same parameters"
+    )
+    for which in ("a", "b"):
+        compare.add_argument(which, help="anchor directory, or Hub reference org/model[@revision][:subfolder]")
+    compare.add_argument("--offline", action="store_true", help="use the local cache only")
+    compare.set_defaults(run=_compare)
     args = parser.parse_args(argv)
-    args.run(args)
+    try:
+        args.run(args)
+    except CFPError as error:  # a bad path, reference or anchor: the message says what to do
+        parser.exit(1, f"hf-cfp {args.command}: error: {error}\n")
 
 
 if __name__ == "__main__":
