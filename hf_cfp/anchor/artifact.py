@@ -4,7 +4,7 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
 from ..names import canonical_name
 from .card import render_card
+from .combine import combine_parts
 from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
 from .statistics import fisher_statistics
 from .storage import read_tensors, write_tensors
@@ -74,6 +75,25 @@ class FisherAnchor:
         """Size, scale and concentration of F (`statistics.fisher_statistics`): parameter count,
         total mass sum_i F_i, mean, max, p99, and the top 1%'s share of the mass."""
         return fisher_statistics(self.fisher)
+
+    @classmethod
+    def combine(
+        cls, anchors: Sequence["FisherAnchor"], weights: Sequence[float] | None = None, name: str = "combined"
+    ) -> "FisherAnchor":
+        """One anchor from K anchors of the same base model: F = sum_k w_k F_k, elementwise, summed in
+        float64 and stored in float32. The default weights w_k = 1/K give the mean (the anchor of all the
+        parts' sequences together when the parts have equally many); weights must be finite and >= 0,
+        one per anchor, not all 0.
+
+        Every part must cover the same tensor names and shapes and carry the same base-model metadata
+        (`base_model`, `base_model_revision`, `base_fingerprint`), else AnchorMismatchError names the
+        first difference. The result keeps those entries and lists its parts in
+        `metadata["combined_from"]`: `{"name", "weight", "reference"}` each, the reference being
+        `org/model@commit:subfolder` for a part loaded from the Hub and None otherwise (a local path
+        is not recorded, so that it never reaches a pushed anchor). Statistics are recomputed.
+        """
+        fisher, metadata = combine_parts(anchors, weights)
+        return cls(fisher, name=name, metadata=metadata)
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: str = "float32"

@@ -10,7 +10,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor
@@ -62,13 +61,9 @@ def _estimated(model, tokenizer, domain, num_sequences, estimator, seed, plan, p
 
 def pooled(parts: list[FisherAnchor], name: str) -> FisherAnchor:
     """The anchor of all the parts' sequences together: F = (1/K) sum_k F_k for K parts of equally many
-    sequences drawn with different seeds (a mean of independent per-sequence squared scores)."""
-    fisher = {
-        key: torch.stack([part.fisher[key].double() for part in parts]).mean(0).float() for key in parts[0].fisher
-    }
-    metadata = {**parts[0].metadata, "pooled_from": [part.name for part in parts]}
-    metadata.pop("statistics", None)
-    return FisherAnchor(fisher, name=name, metadata=metadata)
+    sequences drawn with different seeds (a mean of independent per-sequence squared scores), by
+    `FisherAnchor.combine` (its metadata lists the parts in `combined_from`)."""
+    return FisherAnchor.combine(parts, name=name)
 
 
 def load_or_estimate_anchors(model, tokenizer, plan: Plan, directory: Path) -> dict[str, FisherAnchor]:

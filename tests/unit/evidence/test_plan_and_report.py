@@ -112,5 +112,5 @@ def test_pooled_anchor_is_the_mean_of_its_parts():
             sum(float(p.fisher[key].reshape(-1)[i]) for p in parts) / 3 for i in range(parts[0].fisher[key].numel())
         ]
         assert anchor.fisher[key].reshape(-1).tolist() == pytest.approx(flat, rel=1e-6)
-    assert anchor.name == "pooled" and anchor.metadata["pooled_from"] == ["p0", "p1", "p2"]
+    assert anchor.name == "pooled" and [p["name"] for p in anchor.metadata["combined_from"]] == ["p0", "p1", "p2"]
     assert anchor.metadata["statistics"]["num_parameters"] == 16  # recomputed for the pooled values
