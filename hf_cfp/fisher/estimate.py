@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
+from ..anchor.compare import split_half
 from ..errors import CFPArgumentError
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, process_rank_and_count
@@ -69,6 +70,15 @@ def estimate_fisher(
     processes (batch k on process k % count) and the sums are added across processes: every
     batch draws from its own seeded stream, so the anchor is the single-process anchor.
 
+    Split-half reliability, `metadata["split_half"]` (None when N < 2): the squared scores of
+    sequences n < N/2 (in the order above) and n >= N/2 are summed apart, S_a and S_b, so that
+    F = (S_a + S_b) / N, F_a = S_a / N_a and F_b = S_b / N_b, at the cost of one more float32
+    accumulator; recorded are {"top1pct_overlap": |T1(F_a) ∩ T1(F_b)| / |T1|, T1 the top ceil(0.01 n)
+    coordinates (ties to the lower index), "mass_relative_difference": |M_a - M_b| / ((M_a + M_b) / 2),
+    M = sum_i F_i, "num_sequences": [N_a, N_b]}. Every estimator and engine provides it (the token
+    estimator splits by the sequence its tokens come from). It sits beside `metadata["statistics"]`,
+    which the anchor recomputes from its tensors alone.
+
     Args:
         model: a causal LM (`model(input_ids).logits`); returned in its original train/eval mode,
             with no `.grad` written.
@@ -110,7 +120,9 @@ def estimate_fisher(
 
     named = list(named_parameters_once(model, trainable_only=trainable_only))
     params = [p for _, p in named]
-    sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # S_b, then S = S_a + S_b
+    half = math.ceil(num_sequences / 2) if num_sequences >= 2 else 0  # sequences n < N/2 form the first half
+    first = [torch.zeros_like(s) for s in sums] if half else []  # S_a: the one extra accumulator
     rank, count = process_rank_and_count()
     my_batches = range(rank, math.ceil(num_sequences / batch_size), count)
     my_sequences = sum(min(batch_size, num_sequences - k * batch_size) for k in my_batches)
@@ -134,24 +146,30 @@ def estimate_fisher(
                     )
                 else:
                     drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
-                if estimator == "token":
-                    batch, drawn = _one_token_samples(batch, drawn)
-                for start in range(0, len(batch), batch_size):
-                    score(
-                        model,
-                        params,
-                        sums,
-                        batch[start : start + batch_size],
-                        drawn[start : start + batch_size],
-                        sampler,
-                        pad_id,
-                    )
+                cut = min(max(half - indices.start, 0), len(indices))  # batch[:cut] is in the first half
+                for accumulators, part in ((first, slice(0, cut)), (sums, slice(cut, None))):
+                    part_prompts, part_responses = batch[part], drawn[part]
+                    if estimator == "token":
+                        part_prompts, part_responses = _one_token_samples(part_prompts, part_responses)
+                    for start in range(0, len(part_prompts), batch_size):
+                        score(
+                            model,
+                            params,
+                            accumulators,
+                            part_prompts[start : start + batch_size],
+                            part_responses[start : start + batch_size],
+                            sampler,
+                            pad_id,
+                        )
                 response_tokens += sum(len(r) for r in drawn)
                 progress.update(len(indices))
     finally:
         model.train(was_training)
-    all_reduce_sum_([*sums, response_tokens])
+    all_reduce_sum_([*sums, *first, response_tokens])
 
+    reliability = split_half(first, sums, half, num_sequences - half) if half else None
+    if half:
+        torch._foreach_add_(sums, first)
     fisher = {n: s.div_(num_sequences).cpu() for (n, _), s in zip(named, sums, strict=True)}
     metadata = {
         "base_model": getattr(model.config, "_name_or_path", None) or None,
@@ -166,6 +184,7 @@ def estimate_fisher(
         "prompts_sha256": prompts_sha256(prompt_ids),
         "seed": seed,
         "mean_response_tokens": float(response_tokens) / num_sequences,
+        "split_half": reliability,
         "trainable_only": trainable_only,
         "library_version": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import pytest
 import torch
 from support.tiny import tiny_llama, tiny_tokenizer, torchrun
 
@@ -43,3 +44,8 @@ def test_two_processes_give_the_single_process_anchor(tmp_path):
     assert one.metadata["mean_response_tokens"] == two.metadata["mean_response_tokens"]  # the same draws
     for name, tensor in one.fisher.items():
         torch.testing.assert_close(two.fisher[name], tensor, rtol=1e-5, atol=1e-7 * float(tensor.max()))
+    # the split-half sums are added across processes too (batch 1 of 3 sequences straddles n = 5)
+    split_one, split_two = one.metadata["split_half"], two.metadata["split_half"]
+    assert split_one["num_sequences"] == split_two["num_sequences"] == [5, 5]
+    assert split_one["top1pct_overlap"] == split_two["top1pct_overlap"]
+    assert split_two["mass_relative_difference"] == pytest.approx(split_one["mass_relative_difference"], rel=1e-4)

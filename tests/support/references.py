@@ -24,6 +24,16 @@ class ReferenceCFP(TrainerCallback):
                 p.copy_(t0 + (p - t0) / (1 + lam * self.fisher[n]))
 
 
+def ref_sequence_score(model, prompt, response):
+    """(d/dtheta log pi(response | prompt)) for temperature 1, one plain forward, float64 log-softmax; one
+    float64 tensor per `model.named_parameters()` entry."""
+    params = [p for _, p in model.named_parameters()]
+    ids = torch.tensor([prompt + response])
+    logits = model(input_ids=ids).logits[0].double()
+    log_prob = sum(logits[len(prompt) - 1 + t].log_softmax(0)[tok] for t, tok in enumerate(response))
+    return [g.double() for g in torch.autograd.grad(log_prob, params)]
+
+
 def drift_reference(deltas, fisher, name, free_fraction=0.99):
     """The drift metrics in float64, one expression each, of displacements `deltas` (weight name -> tensor)
     under `fisher` (weight name -> F): sqrt(sum F d^2), ||d|| where F <= the k-th smallest F over these

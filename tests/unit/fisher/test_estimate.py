@@ -20,6 +20,7 @@ import itertools
 import pytest
 import torch
 from support.enumeration import PROMPTS, T, V, all_responses, enum_model, exact_fisher, flat, mass_ratio, pearson
+from support.references import ref_sequence_score
 from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, estimate_fisher
@@ -29,15 +30,6 @@ N_MC = 2000
 MC_BATCH = 64
 MASS_TOL = 0.05
 MIN_CORR = 0.95
-
-
-def ref_sequence_score(model, prompt, response):
-    """(d/dtheta log pi(response | prompt)) for temperature 1, one plain forward, float64 log-softmax."""
-    params = [p for _, p in model.named_parameters()]
-    ids = torch.tensor([prompt + response])
-    logits = model(input_ids=ids).logits[0].double()
-    log_prob = sum(logits[len(prompt) - 1 + t].log_softmax(0)[tok] for t, tok in enumerate(response))
-    return [g.double() for g in torch.autograd.grad(log_prob, params)]
 
 
 def ref_mean_squared_score(model, pairs):
