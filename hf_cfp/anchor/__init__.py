@@ -1,6 +1,6 @@
 """The Fisher anchor artifact: tensors and metadata (`artifact`), files on disk (`storage`), the Hub
-(`hub`), its model card (`card`), statistics of F (`statistics`), and the fingerprint that ties
-it to its base model (`fingerprint`)."""
+(`hub`), its model card (`card`), statistics of F (`statistics`), two Fishers compared (`compare`),
+anchors combined (`combine`), and the fingerprint that ties it to its base model (`fingerprint`)."""
 
 from .artifact import FisherAnchor, validate_anchor_name
 from .fingerprint import check_fingerprint, model_fingerprint
