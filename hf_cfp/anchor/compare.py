@@ -36,7 +36,7 @@ def top_mask(tensors: Sequence[torch.Tensor], fraction: float) -> torch.Tensor:
     order and flattened; ties at the k-th largest value are broken by the lower flat index."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     k = max(1, math.ceil(fraction * flat.numel()))
-    kth = flat.topk(k).values[-1]
+    kth = flat.kthvalue(flat.numel() - k + 1).values  # the k-th largest (a selection, not a top-k sort)
     mask = flat > kth
     tied = (flat == kth).nonzero().squeeze(1)
     mask[tied[: k - int(mask.sum())]] = True
