@@ -9,19 +9,17 @@ def lm_dataset(n=16, length=12, vocab=32, seed=0):
     return [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, vocab, (n, length), generator=g)]
 
 
+# Every test run: CPU, no reporters, a log line per step, no checkpoints, seed 0, no progress bar.
+QUIET_CPU_RUN = dict(use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0, disable_tqdm=True)
+
+
 def train(model, callbacks, tmp_path, steps=5, **overrides):
     args = TrainingArguments(
         output_dir=str(tmp_path),
         max_steps=steps,
         per_device_train_batch_size=4,
         learning_rate=3e-2,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
-        **overrides,
+        **{**QUIET_CPU_RUN, **overrides},
     )
     Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=callbacks).train()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -79,12 +77,7 @@ def full_batch_trainer_args(output_dir, rows, steps, lr=1e-2, **overrides):
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=0.0,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        save_strategy="no",
-        seed=0,
-        disable_tqdm=True,
+        **QUIET_CPU_RUN,
     )
     return TrainingArguments(**{**settings, **overrides})
 
