@@ -20,7 +20,7 @@ from hf_cfp.demo.models import EMBEDDED
 from hf_cfp.evidence.plan import EMBEDDED as EMBEDDED_PLAN
 from hf_cfp.evidence.plan import TINY
 from hf_cfp.evidence.report import markdown_report, plot_frontiers
-from hf_cfp.evidence.run import run_experiment
+from hf_cfp.evidence.run import read_results, run_experiment
 
 
 def main(argv=None) -> None:
@@ -29,11 +29,17 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", default=None, help="default: evidence-tiny or evidence-smollm2")
     parser.add_argument("--plot", action="store_true", help="also draw frontier.png (needs matplotlib)")
     parser.add_argument("--fresh", action="store_true", help="ignore results of an earlier run in --output-dir")
+    parser.add_argument(
+        "--report-only", action="store_true", help="only write the tables (and plot) from the results so far"
+    )
     args = parser.parse_args(argv)
     datasets.disable_progress_bars()  # TRL maps the 16 preference pairs once per arm
     plan = TINY if args.tiny else EMBEDDED_PLAN
     out = Path(args.output_dir or ("evidence-tiny" if args.tiny else "evidence-smollm2"))
-    rows = run_experiment(plan, "tiny" if args.tiny else EMBEDDED, str(out), resume=not args.fresh)
+    if args.report_only:
+        rows = read_results(out / "results.jsonl")
+    else:
+        rows = run_experiment(plan, "tiny" if args.tiny else EMBEDDED, str(out), resume=not args.fresh)
     report = markdown_report(rows, plan.optimizers, plan.is_table_row)
     (out / "evidence.md").write_text(report, encoding="utf-8")
     print("\n" + report + f"\nTables: {out / 'evidence.md'}")

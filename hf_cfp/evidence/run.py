@@ -88,10 +88,15 @@ def load_or_estimate_anchors(model, tokenizer, plan: Plan, directory: Path) -> d
     return anchors
 
 
-def _done(path: Path) -> dict[str, dict]:
+def read_results(path: Path) -> list[dict]:
+    """The result rows of `results.jsonl`, in the order they were written (none if the file is missing)."""
     if not path.exists():
-        return {}
-    return {row["key"]: row for row in map(json.loads, path.read_text().splitlines()) if row}
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _done(path: Path) -> dict[str, dict]:
+    return {row["key"]: row for row in read_results(path)}
 
 
 def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = True) -> list[dict]:

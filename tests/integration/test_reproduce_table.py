@@ -74,3 +74,12 @@ def test_a_second_call_resumes_without_training(tiny_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "results.jsonl").read_text() == before  # nothing re-run, nothing appended
     assert "Estimating anchor" not in again.stdout  # anchors loaded from the first run
+
+
+def test_report_only_rewrites_the_tables_from_the_results(tiny_run):
+    out, _, _ = tiny_run
+    report = (out / "evidence.md").read_text()
+    (out / "evidence.md").unlink()
+    done = run_script(out, "--report-only")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "evidence.md").read_text() == report
