@@ -1,7 +1,8 @@
 """Tables and plots of the evidence experiment, from its result rows (`run.run_experiment`).
 
 - Drift table (the paper's): rows are methods at the table strength, columns are domains, entries are
-  DtFD_d(arm) / DtFD_d(unregularized, same optimizer and seed) - 1, mean +- standard deviation over seeds.
+  DtFD_d(arm) / DtFD_d(unregularized, same optimizer and seed) - 1, mean +- standard deviation over seeds
+  (the value alone where one seed ran).
 - Capability table: per row the task's progress (`measure.TASK_PROGRESS`), each domain's kl_to_base and the
   held-out scores, means over seeds (the base model as the first row).
 - Frontier: task progress against math kl_to_base, one curve per method over its strengths (means over seeds),
@@ -34,8 +35,10 @@ def row_label(arm: dict, with_strength: bool = False) -> str:
     return curve_label(arm) + (f" c={arm['strength']:g}" if with_strength and arm["method"] != "unregularized" else "")
 
 
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def _mean_sd(values: list[float], spec: str, sd_spec: str) -> str:
+    """'mean ± sample standard deviation' over seeds, or the value alone from one seed."""
+    mean = format(statistics.fmean(values), spec)
+    return f"{mean} ± {format(statistics.stdev(values), sd_spec)}" if len(values) > 1 else mean
 
 
 def _group(rows: list[dict], optimizer: str, predicate, with_strength: bool) -> dict[str, list[dict]]:
@@ -61,12 +64,10 @@ def drift_table(rows: list[dict], optimizer: str, is_table_row, with_strength: b
         cells = []
         for d in DOMAINS:
             if group[0]["arm"]["method"] == "unregularized":
-                mean, sd = _mean_sd([r["metrics"][f"{d}/dtfd"] for r in group])
-                cells.append(f"{mean:.3g} ± {sd:.2g} (abs.)")
+                cells.append(_mean_sd([r["metrics"][f"{d}/dtfd"] for r in group], ".3g", ".2g") + " (abs.)")
             else:
                 ratios = [r["metrics"][f"{d}/dtfd"] / reference[r["arm"]["seed"]][f"{d}/dtfd"] - 1 for r in group]
-                mean, sd = _mean_sd(ratios)
-                cells.append(f"{mean:+.0%} ± {sd:.0%}")
+                cells.append(_mean_sd(ratios, "+.0%", ".0%"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
