@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
-from ..integrations.callback import _check_lam
+from ..integrations.strength import check_lam
 from ..ops import PullWeights, apply_correction
 from ..parallel.deepspeed import uses_deepspeed
 from ..protection import bind_anchor, peft_view
@@ -73,7 +73,7 @@ class StepOnlyCallback(TrainerCallback):
         if not isinstance(anchor, FisherAnchor):
             raise CFPArgumentError(f"StepOnlyCallback needs a FisherAnchor, got {type(anchor).__name__}.")
         self.anchor = anchor
-        self.lam = _check_lam(lam)
+        self.lam = check_lam(lam)
         # (params, theta_t, pull w) per (device, dtype) of the covered parameters; set at train begin
         self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], PullWeights]] | None = None
 
@@ -94,7 +94,7 @@ class StepOnlyCallback(TrainerCallback):
             params.append(bound.param)
             fisher.append(bound.fisher)
         self.groups = [
-            (params, [p.detach().float().clone() for p in params], PullWeights(fisher))
+            (params, [p.detach().float().clone() for p in params], PullWeights([[f] for f in fisher]))
             for params, fisher in by_kind.values()
         ]
 
@@ -105,7 +105,7 @@ class StepOnlyCallback(TrainerCallback):
             raise CFPError("StepOnlyCallback.on_step_end before on_train_begin: the anchor was never bound.")
         with torch.no_grad():
             for params, previous, weights in self.groups:
-                apply_correction(params, previous, weights.at(self.lam))
+                apply_correction(params, previous, weights.at([self.lam]))
                 torch._foreach_copy_(previous, params)
 
 

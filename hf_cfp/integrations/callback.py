@@ -1,22 +1,22 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (thin glue over CFPState)."""
 
 import logging
-import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..anchor import check_fingerprint
+from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
+from .strength import LamSchedule, Strength
 
 logger = logging.getLogger(__name__)
 
@@ -26,18 +26,21 @@ class CFPCallback(TrainerCallback):
     A [`~transformers.TrainerCallback`] that keeps training off the parameter directions a capability is
     sensitive to (Cumulative Fisher Protection).
 
-    After every optimizer step (`on_step_end`), every parameter covered by `anchor` is pulled back toward its
-    initial value theta0, coordinate by coordinate:
+    After every optimizer step (`on_step_end`), every parameter covered by a protecting anchor is pulled back
+    toward its initial value theta0, coordinate by coordinate:
 
-    $$\theta_{t+1} = \theta_0 + \frac{\theta' - \theta_0}{1 + \lambda_t F}$$
+    $$\theta_{t+1} = \theta_0 + \frac{\theta' - \theta_0}{1 + \sum_k \lambda_{k,t} F_k}$$
 
-    where theta' is the optimizer's proposal and F the anchor's diagonal Fisher. Coordinates with F = 0 keep the
-    proposal exactly; under a persistent step d the displacement converges to d / (lam F) instead of growing
-    linearly. At every logging step it adds, for the protecting anchor and every monitor anchor,
-    `cfp/<anchor>/sensitive_drift` = sqrt(sum F (theta - theta0)^2), `cfp/<anchor>/free_drift` =
-    ||theta - theta0|| over the `free_fraction` of coordinates with the smallest F, and `cfp/total_drift` =
-    ||theta - theta0||. They reach every logger in `report_to` and `state.log_history`: at train begin the
-    callback places itself before the reporting callbacks; [`~CFPCallback.attach`] does the same explicitly.
+    where theta' is the optimizer's proposal and F_k the diagonal Fisher of protecting anchor k (one anchor:
+    1 + lam F): the proximal step of the summed penalties, in one pass. Coordinates with F = 0 keep the proposal
+    exactly; under a persistent step d the displacement converges to d / (lam F) instead of growing linearly.
+    At every logging step it adds, for every protecting and monitor anchor, `cfp/<anchor>/sensitive_drift` =
+    sqrt(sum F (theta - theta0)^2), `cfp/<anchor>/predicted_kl` = sensitive_drift^2 / 2 (the second-order
+    KL(mu_0 || mu_theta) on the anchor's calibration prompts, nats), `cfp/<anchor>/free_drift` =
+    ||theta - theta0|| over the `free_fraction` of coordinates with the smallest F, `cfp/total_drift` =
+    ||theta - theta0||, and `cfp/<anchor>/lam`, the lam_t of the step, per protecting anchor. They reach every
+    logger in `report_to` and `state.log_history`: at train begin the callback places itself before the
+    reporting callbacks; [`~CFPCallback.attach`] does the same explicitly.
 
     On a `peft.PeftModel` (LoRA) the anchor is keyed by the base model's names, and the metrics are those of the
     merged weights against the base weights (theta - theta0 = s B A - s0 B0 A0 on adapted weights). An adapted
@@ -45,13 +48,24 @@ class CFPCallback(TrainerCallback):
     the adapter can represent it (`lora_rule`); `cfp/<anchor>/adapter_residual` logs the share it missed.
 
     Args:
-        anchor ([`FisherAnchor`], `str` or `os.PathLike`):
-            The protecting anchor, a directory it was saved to, or a Hub reference `org/model@revision:subfolder`
-            (revision and subfolder optional).
-        lam (`float` or `Callable[[int], float]`, *optional*, defaults to `1.0`):
-            The strength lam >= 0, or a schedule `step -> lam` called with the optimizer step just taken
-            (1-based). Its meaning depends on the Fisher's scale: lam * F_i = 1 halves coordinate i's displacement
-            each step (see the README on choosing lam). The paper uses 1 for PPO and 10 for DPO.
+        anchor ([`FisherAnchor`], `str` or `os.PathLike`, or a sequence of them):
+            The protecting anchor(s): an anchor, a directory it was saved to, or a Hub reference
+            `org/model@revision:subfolder` (revision and subfolder optional).
+        lam (`float`, sequence of `float` or `Callable[[int], float | Sequence[float]]`, *optional*):
+            The strength lam >= 0 (one per protecting anchor, or one for all), or a schedule `step -> lam` called
+            with the optimizer step just taken (1-based). Defaults to `1.0` unless `kl_budget` is given. Its meaning
+            depends on the Fisher's scale: lam * F_i = 1 halves coordinate i's displacement each step (see the
+            README on choosing lam). The paper uses 1 for PPO and 10 for DPO.
+        kl_budget (`float` or sequence of `float`, *optional*):
+            Instead of lam: a budget in nats (one per protecting anchor, or one for all). At every step lam_t is
+            solved so that the predicted KL 0.5 (theta - theta0)^T F (theta - theta0) stays within the budget,
+            and no harder: the correction is the projection of the optimizer's proposal onto the budget, lam_t = 0
+            while inside it (`hf_cfp.ops.budget`). Full-parameter and PEFT `modules_to_save` training only, not
+            LoRA-adapted weights.
+        scale_lam_with_lr (`bool`, *optional*, defaults to `False`):
+            Multiply lam by the learning rate of each step, eta_t: theta0 + Delta / (1 + eta_t lam F). The pull
+            then follows warmup and decay, and a persistent step eta_t u settles at u / (lam F), independent of
+            the learning rate; lam is on another scale (about 1 / lr times the unscaled one).
         monitor (sequence of [`FisherAnchor`], `str` or `os.PathLike`, *optional*, defaults to `()`):
             Anchors whose drift is logged but not corrected.
         free_fraction (`float`, *optional*, defaults to `0.99`):
@@ -87,8 +101,8 @@ class CFPCallback(TrainerCallback):
 
     def __init__(
         self,
-        anchor: AnchorLike,
-        lam: float | Callable[[int], float] = 1.0,
+        anchor: AnchorLike | Sequence[AnchorLike],
+        lam: float | Sequence[float] | LamSchedule | None = None,
         monitor: Sequence[AnchorLike] = (),
         free_fraction: float = 0.99,
         compute_if_missing: Any = None,
@@ -97,17 +111,22 @@ class CFPCallback(TrainerCallback):
         strict: bool = True,
         restart_path_on_resume: bool = False,
         lora_rule: str = "proximal_b",
+        kl_budget: float | Sequence[float] | None = None,
+        scale_lam_with_lr: bool = False,
     ):
-        self.anchor = resolve_anchor(anchor, compute_if_missing, push_if_computed, estimate_kwargs)
+        given = [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)
+        if not given:
+            raise CFPArgumentError("CFPCallback needs at least one protecting anchor.")
+        if compute_if_missing is not None and len(given) > 1:
+            raise CFPArgumentError("compute_if_missing estimates one anchor; pass a single protecting anchor with it.")
+        self.anchors = [resolve_anchor(a, compute_if_missing, push_if_computed, estimate_kwargs) for a in given]
         self.monitors = [load_anchor(m) for m in monitor]
-        names = [a.name for a in (self.anchor, *self.monitors)]
+        names = [a.name for a in (*self.anchors, *self.monitors)]
         if len(set(names)) != len(names):
             raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
-        if not callable(lam):
-            _check_lam(lam)
+        self.strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(self.anchors))
         if not 0 < free_fraction < 1:
             raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
-        self.lam = lam
         self.free_fraction = free_fraction
         self.strict = strict
         self.restart_path_on_resume = restart_path_on_resume
@@ -117,6 +136,12 @@ class CFPCallback(TrainerCallback):
         self.protection: CFPState | None = None  # bound at train begin
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
+        self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
+
+    @property
+    def anchor(self) -> FisherAnchor | PendingAnchor:
+        """The (first) protecting anchor."""
+        return self.anchors[0]
 
     def attach(self, trainer: Trainer) -> "CFPCallback":
         """Add this callback to `trainer` (if it is not there yet) just before its reporting callbacks.
@@ -132,18 +157,23 @@ class CFPCallback(TrainerCallback):
         self._attached = True
         return self
 
-    def lam_at(self, step: int) -> float:
-        """lam_t for the optimizer step `step` (1-based), validated."""
-        return _check_lam(self.lam(step) if callable(self.lam) else self.lam)
+    def lam_at(self, step: int) -> list[float]:
+        """lam_t of each protecting anchor for the optimizer step `step` (1-based), validated (not with a
+        kl_budget, whose lam_t depends on the step's proposal)."""
+        if self.protection is None and (self.strength.kl_budget is not None or self.strength.scale_with_lr):
+            raise CFPError("lam_at: with kl_budget or scale_lam_with_lr, lam_t is known only during training.")
+        return self.strength.lams(step, self._step_lr, self.protection)  # type: ignore[arg-type]
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         model = kwargs["model"]
         optimizer = kwargs.get("optimizer")
-        if isinstance(self.anchor, PendingAnchor):
-            self.anchor = self.anchor.compute(model, kwargs.get("processing_class"))
-        anchor = self.anchor
+        self.anchors = [
+            a.compute(model, kwargs.get("processing_class")) if isinstance(a, PendingAnchor) else a
+            for a in self.anchors
+        ]
+        anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # none pending any more
         call = find_trainer_call(self)
         if self.protection is None or self.protection.model is not model:  # first train(), or another model
             refuse_unsupported_layout(model, args, optimizer)
@@ -152,12 +182,18 @@ class CFPCallback(TrainerCallback):
                 theta0 = self._saved_theta0(args, state, call.resume_from_checkpoint if call else None)
             else:
                 view = peft_view(model)  # a PeftModel is checked through its base model's names and weights
-                for bound in (anchor, *self.monitors):
+                for bound in (*anchors, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
             self.protection = CFPState(
-                model, anchor, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
+                model, anchors, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
             )
+            if self.strength.kl_budget is not None and self.protection.adapters.weights:
+                raise CFPArgumentError(
+                    "kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only in "
+                    "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
+                )
+            logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -198,7 +234,16 @@ class CFPCallback(TrainerCallback):
         # DefaultFlowCallback, first in the handler, has already decided whether this step logs (a plain
         # loop driving the callback may pass no TrainerControl: then no adapter residual is measured)
         logs = bool(getattr(control, "should_log", False))
-        self.protection.correct(self.lam_at(state.global_step), measure_residual=logs)
+        lams = self.strength.lams(
+            state.global_step, self._step_lr or _first_lr(kwargs.get("optimizer")), self.protection
+        )
+        self.protection.correct(lams, measure_residual=logs)
+
+    def on_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # after optimizer.step() and before the scheduler moves on: the learning rate this step was taken with
+        self._step_lr = _first_lr(kwargs.get("optimizer"))
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Refuse parameters added to the optimizer after bind: theta0 and F were taken for the
@@ -249,7 +294,7 @@ def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
     return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
 
 
-def _check_lam(lam: Any) -> float:
-    if isinstance(lam, bool) or not isinstance(lam, (int, float)) or not math.isfinite(lam) or lam < 0:
-        raise CFPArgumentError(f"lam must be a finite number >= 0 (or a schedule returning one), got {lam!r}.")
-    return float(lam)
+def _first_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
+    """The first param group's learning rate (None without a torch-style optimizer)."""
+    groups = getattr(optimizer, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None

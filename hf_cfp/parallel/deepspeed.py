@@ -91,12 +91,12 @@ def check_supported(model: torch.nn.Module, optimizer) -> None:
 class MasterCorrection:
     """This process's fragments of the ZeRO-1/2 fp32 master partition, with F and theta0 sliced to match."""
 
-    def __init__(self, params, theta0, fisher, followed=()):
+    def __init__(self, params, theta0, fishers, followed=()):
         self.followed = [p for p in followed if _lp_fragment(p) is not None]
         self.fragments: list[torch.Tensor] = []
         self.theta0: list[torch.Tensor] = []
-        fisher_fragments: list[torch.Tensor] = []
-        for param, t0, f in zip(params, theta0, fisher, strict=True):
+        fisher_fragments: list[list[torch.Tensor | None]] = []
+        for param, t0, row in zip(params, theta0, fishers, strict=True):
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:  # this process owns no part of the parameter
                 continue
@@ -106,7 +106,14 @@ class MasterCorrection:
             device = mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
             self.fragments.append(param)
             self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
-            fisher_fragments.append(f.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
+            fisher_fragments.append(
+                [
+                    f.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True)
+                    if f is not None
+                    else None
+                    for f in row
+                ]
+            )
         self.weights = PullWeights(fisher_fragments)
 
     @torch.no_grad()
@@ -124,13 +131,13 @@ class MasterCorrection:
             else:
                 hp.add_((new.float() - next(changes)).to(hp.device))
 
-    def correct(self, lam: float) -> None:
+    def correct(self, lams: list[float]) -> None:
         if not self.fragments:
             return
         # Resolved at each use: the fragment is a view into the current fp32 partition.
         hp = [p._hp_mapping.get_hp_fragment() for p in self.fragments]
         by_device: dict[torch.device, tuple[list, list, list]] = {}
-        for item in zip(hp, self.theta0, self.weights.at(lam), strict=True):
+        for item in zip(hp, self.theta0, self.weights.at(lams), strict=True):
             for target, value in zip(by_device.setdefault(item[0].device, ([], [], [])), item, strict=True):
                 target.append(value)
         for h, t0, w in by_device.values():
@@ -141,11 +148,11 @@ class Zero3MasterCorrection:
     """ZeRO-3: the fp32 master partitions of the protected parameters, corrected with the same partition
     slices of F and theta0 as the parameters' own partitions; then persisted parameters are re-gathered."""
 
-    def __init__(self, optimizer, model, params, theta0, fisher):
+    def __init__(self, optimizer, model, params, theta0, fishers):
         self.optimizer = optimizer
         self.params = list(params)
         self.theta0 = list(theta0)
-        self.weights = PullWeights(fisher)
+        self.weights = PullWeights(fishers)
         self.persisted = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
 
     def carry(self, correct_followed: Callable[[], None]) -> None:
@@ -154,8 +161,8 @@ class Zero3MasterCorrection:
         correct_followed()
 
     @torch.no_grad()
-    def correct(self, lam: float) -> None:
-        for param, t0, w in zip(self.params, self.theta0, self.weights.at(lam), strict=True):
+    def correct(self, lams: list[float]) -> None:
+        for param, t0, w in zip(self.params, self.theta0, self.weights.at(lams), strict=True):
             if t0.numel():
                 # A view into the partition, or a copy on the accelerator when it is offloaded: set it back.
                 hp = self.optimizer.get_local_fp32_param(param)
@@ -199,13 +206,14 @@ def zero3_pieces(model: torch.nn.Module) -> dict:
     return pieces
 
 
-def master_correction(model, optimizer, params, theta0, fisher, followed=()):
-    """The fp32 master correction for the protected `params` (and the `followed` parameters corrected
-    elsewhere, see `MasterCorrection.carry`) under DeepSpeed ZeRO, else None."""
+def master_correction(model, optimizer, params, theta0, fishers, followed=()):
+    """The fp32 master correction for the protected `params` (`fishers[i]`: each protecting anchor's F on
+    `params[i]`, or None; and the `followed` parameters corrected elsewhere, see `MasterCorrection.carry`)
+    under DeepSpeed ZeRO, else None."""
     zero = zero_optimizer(optimizer)
     if zero is None:
         return None
     check_supported(model, optimizer)
     if hasattr(zero, "fp32_partitioned_groups_flat"):
-        return Zero3MasterCorrection(zero, model, params, theta0, fisher)
-    return MasterCorrection(params, theta0, fisher, followed)
+        return Zero3MasterCorrection(zero, model, params, theta0, fishers)
+    return MasterCorrection(params, theta0, fishers, followed)

@@ -1,10 +1,11 @@
 """The correction group of a protecting anchor's LoRA-adapted weights (see `ops.lora_correction`).
 
 After each optimizer step every adapted weight whose F is nonzero somewhere gets new factors from the chosen
-rule; a weight whose F is 0 everywhere is not touched (its target is the optimizer's proposal). On request the
-step also measures how much of the CFP target the adapters missed:
+rule, applied to the summed pull P = sum_k lam_k F_k of the protecting anchors (one anchor: P = lam F); a weight
+whose F is 0 everywhere is not touched (its target is the optimizer's proposal). On request the step also
+measures how much of the CFP target the adapters missed:
 
-    adapter_residual = ||D_after - D'|| / ||D'||      over the corrected weights, D' = D / (1 + lam F)
+    adapter_residual = ||D_after - D'|| / ||D'||      over the corrected weights, D' = D / (1 + P)
 """
 
 import math
@@ -12,27 +13,34 @@ import math
 import torch
 
 from ..errors import CFPArgumentError, CFPError
+from ..ops import pull_strength
 from ..ops.lora_correction import LORA_RULES, cfp_target
 from .peft_adapters import AdaptedWeight
 
 
 class AdapterCorrection:
-    """The protecting anchor's LoRA-adapted weights with F in factor orientation (out x in), and the rule."""
+    """The protecting anchors' LoRA-adapted weights with each anchor's F in factor orientation (out x in, None
+    where that anchor does not cover the weight), and the rule."""
 
-    def __init__(self, weights: list[AdaptedWeight], fisher: list[torch.Tensor], rule: str):
+    def __init__(self, weights: list[AdaptedWeight], fishers: list[list[torch.Tensor | None]], rule: str):
         if rule not in LORA_RULES:
             raise CFPArgumentError(f"lora_rule must be one of {sorted(LORA_RULES)}, got {rule!r}.")
         self.rule = LORA_RULES[rule]
         self.weights = [
-            (weight, weight.in_factor_orientation(f)) for weight, f in zip(weights, fisher, strict=True) if f.any()
+            (weight, [weight.in_factor_orientation(f) if f is not None else None for f in row])
+            for weight, row in zip(weights, fishers, strict=True)
+            if any(f is not None and f.any() for f in row)
         ]
         self.residual: float | None = None  # of the last measured step
 
     @torch.no_grad()
-    def correct(self, lam: float, measure: bool = False) -> None:
-        """Replace each weight's factors by the rule's (B', A'); with `measure`, set `residual`."""
+    def correct(self, lams: list[float], measure: bool = False) -> None:
+        """Replace each weight's factors by the rule's (B', A') for the pull P = sum_k lam_k F_k; with
+        `measure`, set `residual`."""
         missed_sq, target_sq = 0.0, 0.0
-        for weight, fisher in self.weights:
+        for weight, row in self.weights:
+            strength = pull_strength(row, lams)
+            assert strength is not None  # kept above: some anchor covers the weight
             factors = weight.factors()
             if len(factors) != 1:
                 raise CFPError(
@@ -41,10 +49,10 @@ class AdapterCorrection:
                 )
             (current,) = factors
             delta = current.displacement()
-            b, a = self.rule(current, fisher, lam, delta)
+            b, a = self.rule(current, strength, 1.0, delta)
             weight.write(b, a)
             if measure:
-                target = cfp_target(delta, fisher, lam)
+                target = cfp_target(delta, strength, 1.0)
                 after = weight.factors()[0].displacement()  # as written (rounded to the factors' dtype)
                 missed_sq += float((after - target).double().square().sum())
                 target_sq += float(target.double().square().sum())

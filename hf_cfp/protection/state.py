@@ -6,17 +6,28 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import torch
 
 from ..anchor import FisherAnchor
-from ..ops import PullWeights, apply_correction, free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
+from ..errors import CFPArgumentError
+from ..ops import (
+    PullWeights,
+    apply_correction,
+    budget_terms,
+    free_drift_sq,
+    free_threshold,
+    pull_strength,
+    sensitive_drift_sq,
+    solve_budget,
+    total_drift_sq,
+)
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
-from .binding import HeldRange, bind_anchor
+from .binding import BoundTensor, HeldRange, bind_anchor
 from .peft_adapters import AdaptedWeight, adapted_drift_sq, peft_view
 
 
@@ -33,22 +44,26 @@ class Theta0Reader(Protocol):
 
 
 class _CorrectionGroup:
-    """Protected parameters of one (device, dtype), with their local theta0, and the pull w cached per lam."""
+    """Protected parameters of one (device, dtype), with their local theta0, each protecting anchor's F on them
+    (None where it does not cover one), whether each is sharded, and the pull w cached per lams."""
 
-    def __init__(self, params: list[torch.Tensor], theta0: list[torch.Tensor], fisher: list[torch.Tensor]):
+    def __init__(
+        self, params: list[torch.Tensor], theta0: list[torch.Tensor], fishers: list[list[torch.Tensor | None]]
+    ):
         self.params = params
         self.theta0 = theta0
-        self.weights = PullWeights(fisher)
+        self.weights = PullWeights(fishers)
 
-    def correct(self, lam: float) -> None:
-        apply_correction([local_tensor(p) for p in self.params], self.theta0, self.weights.at(lam))
+    def correct(self, lams: list[float]) -> None:
+        apply_correction([local_tensor(p) for p in self.params], self.theta0, self.weights.at(lams))
 
 
 class CFPState:
-    """Binds a protecting anchor and monitor anchors to `model` and snapshots theta0.
+    """Binds protecting anchors and monitor anchors to `model` and snapshots theta0.
 
     theta0 (float32) is kept for every trainable parameter covered by any anchor, so
-    `cfp/total_drift` = ||theta - theta0|| runs over that union. Only `anchor` is corrected.
+    `cfp/total_drift` = ||theta - theta0|| runs over that union. Only the protecting anchors (`anchor`: one,
+    or a sequence) correct: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k), one pass.
     theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
     free-drift threshold comes from the anchor's full F, so it is the same on every process.
     `theta0` (a `Theta0Reader`, such as `checkpoint.SavedTheta0`) restores a saved theta0 instead of
@@ -64,43 +79,82 @@ class CFPState:
     def __init__(
         self,
         model: torch.nn.Module,
-        anchor: FisherAnchor,
+        anchor: FisherAnchor | Sequence[FisherAnchor],
         monitors: Sequence[FisherAnchor] = (),
         free_fraction: float = 0.99,
         optimizer: torch.optim.Optimizer | None = None,
         theta0: "Theta0Reader | None" = None,
         lora_rule: str = "proximal_b",
     ):
+        protecting = [anchor] if isinstance(anchor, FisherAnchor) else list(anchor)
+        if not protecting:
+            raise CFPArgumentError("CFPState needs at least one protecting anchor.")
         self.model = model
-        self.anchor_name = anchor.name
+        self.protecting = [a.name for a in protecting]
+        self.lams = [0.0] * len(protecting)  # of the last correction
+        anchors = (*protecting, *monitors)
         view = peft_view(model)
-        bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in (anchor, *monitors)}
-        self.adapted, adapted_fisher = _bind_adapted(view.adapted if view else {}, (anchor, *monitors))
+        bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in anchors}
+        self.adapted, adapted_fisher = _bind_adapted(view.adapted if view else {}, anchors)
         if self.adapted and theta0 is not None:
             theta0.restore_lora(self.adapted)  # the origin of the measured path: the factors at train begin
-        covered = adapted_fisher[anchor.name]
-        self.adapters = AdapterCorrection([self.adapted[i] for i in covered], list(covered.values()), lora_rule)
-        full_fisher = {a.name: a.fisher for a in (anchor, *monitors)}
-        self.params: list[torch.Tensor] = []
-        self.names: list[str] = []
-        self.sharded: list[bool] = []
-        self.held: list[HeldRange] = []
-        index: dict[int, int] = {}
-        for tensors in bound.values():
-            for t in tensors:
-                if id(t.param) not in index:
-                    index[id(t.param)] = len(self.params)
-                    self.params.append(t.param)
-                    self.names.append(t.name)
-                    self.sharded.append(t.sharded)
-                    self.held.append(t.held)
+        adapted_rows = _rows(range(len(self.adapted)), self.protecting, adapted_fisher)
+        self.adapters = AdapterCorrection(
+            [self.adapted[i] for i in adapted_rows], list(adapted_rows.values()), lora_rule
+        )
+        self._gather_params(bound)
         self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
         if theta0 is not None:
             saved = theta0.read(list(zip(self.names, self.held, strict=True)))
             for name, local in zip(self.names, self.theta0, strict=True):
                 local.copy_(saved[name].reshape(local.shape))
-        # anchor name -> (indices into params, local F, free-drift threshold from the anchor's full F over
-        # every covered parameter that can move: trainable ones and LoRA-adapted ones)
+        self._measure_views(bound, adapted_fisher, {a.name: a.fisher for a in anchors}, free_fraction)
+        fisher_of = {name: {self.index[id(t.param)]: t.fisher for t in tensors} for name, tensors in bound.items()}
+        protected = _rows(range(len(self.params)), self.protecting, fisher_of)  # param index -> row of F
+        groups: defaultdict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        for i, row in protected.items():
+            group_params, group_theta0, group_fishers = groups[(self.params[i].device, self.params[i].dtype)]
+            group_params.append(self.params[i])
+            group_theta0.append(self.theta0[i])
+            group_fishers.append(row)
+        self.groups = [_CorrectionGroup(*g) for g in groups.values()]
+        self.protected = list(protected.items())  # (param index, row of F): what a KL budget sums over
+        # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
+        self.master = master_correction(
+            model,
+            optimizer,
+            [self.params[i] for i in protected],
+            [self.theta0[i] for i in protected],
+            list(protected.values()),
+            followed=_factor_params(self.adapters),
+        )
+
+    def _gather_params(self, bound: dict[str, list[BoundTensor]]) -> None:
+        """Every parameter any anchor covers, once: `params`, `names`, `sharded`, `held`, and `index` (id -> i)."""
+        self.params: list[torch.Tensor] = []
+        self.names: list[str] = []
+        self.sharded: list[bool] = []
+        self.held: list[HeldRange] = []
+        self.index: dict[int, int] = {}
+        for tensors in bound.values():
+            for t in tensors:
+                if id(t.param) not in self.index:
+                    self.index[id(t.param)] = len(self.params)
+                    self.params.append(t.param)
+                    self.names.append(t.name)
+                    self.sharded.append(t.sharded)
+                    self.held.append(t.held)
+
+    def _measure_views(
+        self,
+        bound: dict[str, list[BoundTensor]],
+        adapted_fisher: dict[str, dict[int, torch.Tensor]],
+        full_fisher: dict[str, dict[str, torch.Tensor]],
+        free_fraction: float,
+    ) -> None:
+        """Per anchor, what its metrics sum over: `views` (indices into params, local F, free-drift threshold)
+        and `adapted_views` (adapted weights' F, threshold). The threshold comes from the anchor's full F over
+        every covered parameter that can move: trainable ones and LoRA-adapted ones."""
         thresholds = {
             name: free_threshold(
                 [full_fisher[name][t.name] for t in tensors]
@@ -112,45 +166,72 @@ class CFPState:
             for name, tensors in bound.items()
         }
         self.views = {
-            name: ([index[id(t.param)] for t in tensors], [t.fisher for t in tensors], thresholds[name])
+            name: ([self.index[id(t.param)] for t in tensors], [t.fisher for t in tensors], thresholds[name])
             for name, tensors in bound.items()
         }
         self.adapted_views = {name: (adapted_fisher[name], thresholds[name]) for name in bound}
-        groups: defaultdict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
-        for t in bound[anchor.name]:
-            group_params, group_theta0, group_fisher = groups[(t.param.device, t.param.dtype)]
-            group_params.append(t.param)
-            group_theta0.append(self.theta0[index[id(t.param)]])
-            group_fisher.append(t.fisher)
-        self.groups = [_CorrectionGroup(*g) for g in groups.values()]
-        # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
-        protected = bound[anchor.name]
-        self.master = master_correction(
-            model,
-            optimizer,
-            [t.param for t in protected],
-            [self.theta0[index[id(t.param)]] for t in protected],
-            [t.fisher for t in protected],
-            followed=_factor_params(self.adapters),
-        )
 
-    def correct(self, lam: float, measure_residual: bool = False) -> None:
-        """theta <- theta0 + (theta - theta0) / (1 + lam F) on every protected parameter; on LoRA-adapted
-        weights the same through their factors (with `measure_residual`, `cfp/<anchor>/adapter_residual` is
-        measured and reported by the next `drift_metrics`)."""
-        if lam == 0:
+    def correct(self, lam: float | Sequence[float], measure_residual: bool = False) -> None:
+        """theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k) on every protected parameter (`lam`: one per
+        protecting anchor; a number for one anchor); on LoRA-adapted weights the same through their factors (with
+        `measure_residual`, `cfp/<anchor>/adapter_residual` is measured and reported by the next `drift_metrics`)."""
+        self.lams = [float(lam)] if isinstance(lam, (int, float)) else [float(v) for v in lam]
+        if len(self.lams) != len(self.protecting):
+            raise CFPArgumentError(
+                f"{len(self.lams)} lams for {len(self.protecting)} protecting anchors {self.protecting}."
+            )
+        if not any(self.lams):
             return
         if self.master is not None:  # ZeRO-1/2: the corrected LoRA factors are carried into the fp32 master copy
-            self.master.carry(lambda: self.adapters.correct(lam, measure_residual))
+            self.master.carry(lambda: self.adapters.correct(self.lams, measure_residual))
         else:
-            self.adapters.correct(lam, measure_residual)
+            self.adapters.correct(self.lams, measure_residual)
         for group in self.groups:
-            group.correct(lam)
+            group.correct(self.lams)
         if self.master is not None:
-            self.master.correct(lam)
+            self.master.correct(self.lams)
+
+    def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float]:
+        """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th
+        percentile of P) over the full-parameter correction groups (LoRA-adapted weights not counted)."""
+        strengths = [
+            s for group in self.groups for row in group.weights.fishers if (s := pull_strength(row, lams)) is not None
+        ]
+        count = sum(s.numel() for s in strengths)
+        if count == 0:
+            return 0, 0.0, 0.0
+        halved = sum(int((s > 1).sum()) for s in strengths) / count
+        return count, halved, free_threshold(strengths, 0.99)
+
+    def budget_lams(self, budgets: Sequence[float], tolerance: float = 0.01) -> list[float]:
+        """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta, Delta the corrected
+        displacement of the optimizer's proposal now in the parameters, within its budget (nats) and pull no
+        harder (`ops.budget`), warm-started from the last lams. Every process gets the same lams (the sums over
+        sharded parameters are all-reduced: one collective per evaluation). LoRA-adapted weights are not covered:
+        the adapters can represent the target only in part (`kl_budget` refuses them at bind)."""
+        parts = [
+            [(self.params[i], self.theta0[i], row) for i, row in self.protected if self.sharded[i] == s]
+            for s in (False, True)
+        ]
+
+        def evaluate(lams: Sequence[float]) -> torch.Tensor:
+            replicated, sharded = (
+                budget_terms(
+                    [local_tensor(p) for p, _, _ in part], [t for _, t, _ in part], [r for _, _, r in part], lams
+                )
+                for part in parts
+            )
+            if parts[1]:
+                sharded = sharded.to(parts[1][0][1].device)
+                all_reduce_sum_([sharded])
+            return replicated + sharded.cpu()
+
+        return solve_budget(evaluate, budgets, self.lams, tolerance)
 
     def drift_metrics(self) -> dict[str, float]:
-        """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift` per anchor and `cfp/total_drift`.
+        """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift`, `cfp/<anchor>/predicted_kl` = 0.5
+        sensitive_drift^2 per anchor, `cfp/<anchor>/lam` (of the last correction) per protecting anchor, and
+        `cfp/total_drift`.
 
         Each is sqrt(S_replicated + sum over processes of S_shard): sums of squares S over the
         local tensors, where only sharded ones are all-reduced (a replicated tensor counts once).
@@ -180,8 +261,12 @@ class CFPState:
             key: math.sqrt(replicated + float(shards))
             for (key, (replicated, _)), shards in zip(squares.items(), shard_sums, strict=True)
         }
+        for name in self.views:  # KL(mu_0 || mu_theta) ~ 0.5 Delta^T F Delta on the anchor's calibration prompts
+            metrics[f"cfp/{name}/predicted_kl"] = 0.5 * metrics[f"cfp/{name}/sensitive_drift"] ** 2
+        for name, lam in zip(self.protecting, self.lams, strict=True):
+            metrics[f"cfp/{name}/lam"] = lam
         if self.adapters.residual is not None:
-            metrics[f"cfp/{self.anchor_name}/adapter_residual"] = self.adapters.residual
+            metrics[f"cfp/{self.protecting[0]}/adapter_residual"] = self.adapters.residual
         return metrics
 
 
@@ -210,3 +295,11 @@ def _bind_adapted(
                 device = weight.snapshot[0][1].device
                 fisher[anchor.name][covered.index(weight)] = anchor.fisher[name].to(device, torch.float32)
     return covered, fisher
+
+
+def _rows(
+    indices: Iterable[int], protecting: list[str], fisher_of: dict[str, dict[int, torch.Tensor]]
+) -> dict[int, list[torch.Tensor | None]]:
+    """index -> [F of each protecting anchor on it, or None], for the indices some protecting anchor covers."""
+    rows = {i: [fisher_of[name].get(i) for name in protecting] for i in indices}
+    return {i: row for i, row in rows.items() if any(f is not None for f in row)}

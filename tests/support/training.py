@@ -82,13 +82,16 @@ def full_batch_trainer_args(output_dir, rows, steps, lr=1e-2, **overrides):
     return TrainingArguments(**{**settings, **overrides})
 
 
-def adamw_loop(model, rows, steps, lr=1e-2, after_step=lambda: None):
+def adamw_loop(model, rows, steps, lr=1e-2, after_step=lambda: None, lr_at=None):
     """The Trainer run of `full_batch_trainer_args`, by hand: `steps` times the mean token cross-entropy of all
-    `rows`, backward, torch.optim.AdamW(lr, weight_decay=0).step(), then `after_step()` (a correction rule)."""
+    `rows`, backward, torch.optim.AdamW(lr, weight_decay=0).step(), then `after_step()` (a correction rule).
+    `lr_at(t)` sets the learning rate of step t (0-based) instead of the constant `lr`."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
     model.train()
-    for _ in range(steps):
+    for t in range(steps):
+        if lr_at is not None:
+            optimizer.param_groups[0]["lr"] = lr_at(t)
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -15,7 +15,7 @@ def test_bad_lam_is_refused(lam):
 
 def test_bad_lam_schedule_is_refused_at_its_step():
     callback = CFPCallback(anchor_for(tiny_llama()), lam=lambda step: 1.0 - step)
-    assert callback.lam_at(1) == 0.0
+    assert callback.lam_at(1) == [0.0]
     with pytest.raises(CFPArgumentError, match="schedule"):
         callback.lam_at(2)
 

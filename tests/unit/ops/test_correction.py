@@ -1,15 +1,15 @@
-"""The correction's tensor math (`lerp_weights`, `apply_correction`) against its closed form."""
+"""The correction's tensor math (`PullWeights`, `apply_correction`) against its closed form."""
 
 import math
 
 import torch
 
-from hf_cfp.ops import apply_correction, lerp_weights
+from hf_cfp.ops import PullWeights, apply_correction
 
 
-def test_lerp_weights_closed_form():
+def test_pull_weights_closed_form():
     fisher = [torch.tensor([0.0, 0.5, 2.0, 1e6])]
-    (w,) = lerp_weights(fisher, lam=4.0)
+    (w,) = PullWeights([fisher]).at([4.0])
     expected = torch.tensor([0.0, 2.0 / 3.0, 8.0 / 9.0, 4e6 / (1 + 4e6)])
     assert torch.allclose(w, expected, rtol=1e-6)
     p, t0 = torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.zeros(4)

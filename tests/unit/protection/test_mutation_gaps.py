@@ -247,7 +247,13 @@ def test_replicated_sums_count_once_and_shard_sums_are_all_reduced(monkeypatch):
     metrics = state.drift_metrics()
     assert calls == [torch.float64]
     expected = math.sqrt(1 + 2 * 8)  # 17; swapping replicated and sharded would give 2 * 1 + 8 = 10
-    assert metrics == {"cfp/m/sensitive_drift": expected, "cfp/m/free_drift": expected, "cfp/total_drift": expected}
+    assert metrics == {
+        "cfp/m/sensitive_drift": expected,
+        "cfp/m/free_drift": expected,
+        "cfp/total_drift": expected,
+        "cfp/m/predicted_kl": expected**2 / 2,
+        "cfp/m/lam": 0.0,
+    }
 
 
 def test_shard_sums_are_added_in_float64(monkeypatch):
@@ -256,7 +262,13 @@ def test_shard_sums_are_added_in_float64(monkeypatch):
     state = state_with_deltas([[4096.0], [4096.0], [1.0]], sharded=[True, True, True])
     metrics = state.drift_metrics()
     expected = math.sqrt(2 * (2**25 + 1))
-    assert metrics == {"cfp/m/sensitive_drift": expected, "cfp/m/free_drift": expected, "cfp/total_drift": expected}
+    assert metrics == {
+        "cfp/m/sensitive_drift": expected,
+        "cfp/m/free_drift": expected,
+        "cfp/total_drift": expected,
+        "cfp/m/predicted_kl": expected**2 / 2,
+        "cfp/m/lam": 0.0,
+    }
 
 
 def test_a_monitor_covering_only_frozen_parameters_measures_zero():

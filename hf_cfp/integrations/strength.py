@@ -1,0 +1,116 @@
+"""How hard CFP pulls at each step: lam_t per protecting anchor from a constant, a schedule, the learning rate,
+or a KL budget; and the one line at train begin that says what that strength does."""
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CFPArgumentError
+from ..protection import CFPState
+
+LamSchedule = Callable[[int], "float | Sequence[float]"]
+
+
+@dataclass(frozen=True)
+class Strength:
+    """lam_t for the protecting anchors, one of three ways:
+
+    - `lam`: a number or one per anchor, or a schedule `step -> lam(s)` (the optimizer step just taken, 1-based);
+      with `scale_with_lr`, each is multiplied by the step's learning rate eta_t: the proximal form
+      theta0 + Delta / (1 + eta_t lam F), so the pull follows warmup and decay and the fixed point of a persistent
+      step eta_t u is u / (lam F), whatever the learning rate;
+    - `kl_budget`: nats, a number or one per anchor; lam_t solved at each step so that the predicted KL
+      0.5 Delta^T F Delta stays within it and no harder (`CFPState.budget_lams`).
+    """
+
+    lam: tuple[float, ...] | LamSchedule  # () with a budget
+    kl_budget: tuple[float, ...] | None
+    scale_with_lr: bool
+    num_anchors: int
+
+    @classmethod
+    def from_arguments(cls, lam: Any, kl_budget: Any, scale_with_lr: bool, num_anchors: int) -> "Strength":
+        if lam is not None and kl_budget is not None:
+            raise CFPArgumentError(
+                "Pass lam or kl_budget, not both: kl_budget chooses lam_t at every step to keep the predicted KL "
+                "within the budget."
+            )
+        if kl_budget is not None:
+            if scale_with_lr:
+                raise CFPArgumentError("scale_lam_with_lr applies to lam; kl_budget already sets lam_t every step.")
+            return cls((), _per_anchor(kl_budget, num_anchors, "kl_budget", positive=True), False, num_anchors)
+        if lam is None:
+            lam = 1.0
+        fixed = lam if callable(lam) else _per_anchor(lam, num_anchors, "lam", positive=False)
+        return cls(fixed, None, scale_with_lr, num_anchors)
+
+    def lams(self, step: int, learning_rate: float | None, protection: CFPState) -> list[float]:
+        """lam_t of each protecting anchor for the optimizer step `step` just taken (at `learning_rate`)."""
+        if self.kl_budget is not None:
+            return protection.budget_lams(self.kl_budget)
+        lams = list(_per_anchor(self.lam(step) if callable(self.lam) else self.lam, self.num_anchors, "lam", False))
+        if self.scale_with_lr:
+            if learning_rate is None:
+                raise CFPArgumentError(
+                    "scale_lam_with_lr=True needs the optimizer's learning rate, and none was passed to the callback."
+                )
+            lams = [lam * learning_rate for lam in lams]
+        return lams
+
+    def describe(self, protection: CFPState, learning_rate: float | None) -> str:
+        """What the strength does, in one line: for a budget, its value; for lam, the share of covered
+        coordinates with P = sum_k lam_k F_k > 1 (pulled back by more than half each step) and, given the
+        learning rate, the fixed-point displacement d / P of a persistent step d = learning_rate (an Adam-sized
+        step) at the 99th percentile of P (P at the peak learning rate when lam follows it)."""
+        anchors = ", ".join(protection.protecting)
+        if self.kl_budget is not None:
+            return (
+                f"CFP [{anchors}]: kl_budget {_numbers(self.kl_budget)} nats; lam_t is solved at every step so that "
+                "the predicted KL 0.5 Delta^T F Delta stays within it (lam_t = 0 while inside)."
+            )
+        if callable(self.lam):
+            return f"CFP [{anchors}]: lam follows a schedule of the step; its pull changes with it."
+        if self.scale_with_lr and learning_rate is None:
+            return f"CFP [{anchors}]: lam {_numbers(self.lam)} x the learning rate of each step."
+        lams = [lam * learning_rate for lam in self.lam] if self.scale_with_lr and learning_rate else list(self.lam)
+        count, halved, p99 = protection.pull_profile(lams)
+        scaled = f" x lr ({learning_rate:g} at peak)" if self.scale_with_lr else ""
+        line = (
+            f"CFP [{anchors}]: lam {_numbers(self.lam)}{scaled} pulls {halved:.2%} of {count:,} protected "
+            "coordinates back by more than half each step (sum lam F > 1)"
+        )
+        if learning_rate is None:
+            return line + "."
+        settle = f"{learning_rate / p99:.3g}" if p99 > 0 else "inf (no pull)"
+        return (
+            f"{line}; a persistent step of {learning_rate:g} settles at |theta - theta0| = {settle} at the 99th "
+            "percentile of lam F."
+        )
+
+
+def _numbers(values: Sequence[float]) -> str:
+    return ", ".join(f"{v:g}" for v in values)
+
+
+def _per_anchor(value: Any, num_anchors: int, what: str, positive: bool) -> tuple[float, ...]:
+    """`value` (a number, or a sequence of one per anchor) as a tuple, each finite and >= 0 (> 0 if `positive`)."""
+    values = [value] * num_anchors if _is_number(value) else list(value) if isinstance(value, Sequence) else None
+    if values is None or len(values) != num_anchors or not all(_is_number(v) for v in values):
+        raise CFPArgumentError(
+            f"{what} must be a number or a sequence of {num_anchors} numbers (one per protecting anchor), "
+            f"got {value!r}."
+        )
+    bound = "> 0" if positive else ">= 0"
+    if not all(math.isfinite(v) and (v > 0 if positive else v >= 0) for v in values):
+        raise CFPArgumentError(f"{what} must be finite and {bound} (or a schedule returning such), got {value!r}.")
+    return tuple(float(v) for v in values)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_lam(lam: Any) -> float:
+    """One lam, finite and >= 0, or CFPArgumentError."""
+    return _per_anchor(lam, 1, "lam", positive=False)[0]
