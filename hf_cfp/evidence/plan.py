@@ -11,7 +11,10 @@ the pirate preference pairs), a method and its strength, and a seed. Methods:
 - `step_only`: the variant that preconditions only the latest step (`StepOnlyCallback`), math anchor,
   lam = c / p99(F_math);
 - `isotropic`: CFP with F_math replaced by its mean (`isotropic_anchor`), lam = c / p99(F_math): the same
-  lam and total mass without the shape.
+  lam and total mass without the shape;
+- `budget`: CFP with lam_t chosen every step to keep the predicted KL 0.5 Delta^T F Delta of the protecting
+  anchor within strength = the budget in nats (`CFPCallback(kl_budget=...)`; the budget table,
+  `scripts/budget_table.py`, not the evidence plan).
 
 The table rows use `Plan.table_strength` (c = 1: lam = 1/p99, the README's rule) and the first KL
 strength; the other strengths only add points to the frontier, drawn from the first seed. Every seed repeats
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 
 DOMAINS = ("math", "code", "safety")
 OPTIMIZERS = ("sft", "dpo")
-METHODS = ("unregularized", "kl", "cfp", "step_only", "isotropic")
+METHODS = ("unregularized", "kl", "cfp", "step_only", "isotropic", "budget")
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _done(path: Path) -> dict[str, dict]:
+def done_rows(path: Path) -> dict[str, dict]:
+    """key -> row of the rows already in `path` (what a resumed run skips)."""
     return {row["key"]: row for row in read_results(path)}
 
 
@@ -105,7 +106,7 @@ def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
-    done = _done(results_path) if resume else {}
+    done = done_rows(results_path) if resume else {}
     if not resume:
         results_path.unlink(missing_ok=True)
     base_model, tokenizer = tiny_model_and_tokenizer() if model_name == "tiny" else load_causal_lm(model_name)
@@ -114,7 +115,7 @@ def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = 
     probe = CapabilityProbe(base_model, tokenizer, plan)
     if "base" not in done:
         done["base"] = {"key": "base", "metrics": probe.measure(base_model, greedy=True)}
-        _append(results_path, done["base"])
+        append_row(results_path, done["base"])
     arms = plan.arms()
     bar = tqdm(arms, desc="arms", unit="arm")
     for arm in bar:
@@ -126,11 +127,12 @@ def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = 
         metrics = {**drift, **probe.measure(model, greedy=plan.measures_greedy(arm))}
         row = {"key": arm.key, "arm": asdict(arm), "metrics": metrics, "seconds": time.perf_counter() - start}
         done[arm.key] = row
-        _append(results_path, row)
+        append_row(results_path, row)
         tqdm.write(f"{arm.key}: math kl {metrics['math/kl']:.4g}, {time.perf_counter() - start:.0f} s")
     return [done[key] for key in ["base", *(arm.key for arm in arms)]]
 
 
-def _append(path: Path, row: dict) -> None:
+def append_row(path: Path, row: dict) -> None:
+    """Add one result row to the JSON-lines file `path`."""
     with path.open("a", encoding="utf-8") as handle:
         handle.write(json.dumps(row) + "\n")

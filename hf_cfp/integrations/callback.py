@@ -13,7 +13,8 @@ from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from ..protection import CFPState, LiveTheta0, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 from .strength import LamSchedule, Strength
@@ -66,6 +67,16 @@ class CFPCallback(TrainerCallback):
             Multiply lam by the learning rate of each step, eta_t: theta0 + Delta / (1 + eta_t lam F). The pull
             then follows warmup and decay, and a persistent step eta_t u settles at u / (lam F), independent of
             the learning rate; lam is on another scale (about 1 / lr times the unscaled one).
+        recheck_every (`int`, *optional*):
+            Every this many optimizer steps, re-estimate each protecting anchor's F at the current weights on
+            `recheck_prompts` with the anchor's own settings and log `cfp/<anchor>/top1_overlap_now`, the share of
+            its top-1% coordinates still in the top 1% (at the next logging step). Costs one `estimate_fisher` of
+            the anchor's size per anchor. Off by default.
+        recheck_prompts (prompts, or `dict` of anchor name -> prompts, *optional*):
+            The anchors' calibration prompts, for `recheck_every`.
+        refresh_fisher (`bool`, *optional*, defaults to `False`):
+            With `recheck_every`: adopt each re-estimated F for the correction and the metrics from then on (theta0
+            is kept, so the path is still pulled toward the initial weights, along the directions sensitive now).
         monitor (sequence of [`FisherAnchor`], `str` or `os.PathLike`, *optional*, defaults to `()`):
             Anchors whose drift is logged but not corrected.
         free_fraction (`float`, *optional*, defaults to `0.99`):
@@ -113,6 +124,9 @@ class CFPCallback(TrainerCallback):
         lora_rule: str = "proximal_b",
         kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
+        recheck_every: int | None = None,
+        recheck_prompts: Any = None,
+        refresh_fisher: bool = False,
     ):
         given = [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)
         if not given:
@@ -125,6 +139,7 @@ class CFPCallback(TrainerCallback):
         if len(set(names)) != len(names):
             raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
         self.strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(self.anchors))
+        self.recheck = AnchorRecheck(recheck_every, recheck_prompts, refresh_fisher, [a.name for a in self.anchors])
         if not 0 < free_fraction < 1:
             raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
         self.free_fraction = free_fraction
@@ -137,6 +152,7 @@ class CFPCallback(TrainerCallback):
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
         self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
+        self._rechecked: dict[str, float] = {}  # top1_overlap_now values for the next log
 
     @property
     def anchor(self) -> FisherAnchor | PendingAnchor:
@@ -185,9 +201,7 @@ class CFPCallback(TrainerCallback):
                 for bound in (*anchors, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
-            self.protection = CFPState(
-                model, anchors, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
-            )
+            self.protection = self._bind(model, anchors, optimizer, theta0)
             if self.strength.kl_budget is not None and self.protection.adapters.weights:
                 raise CFPArgumentError(
                     "kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only in "
@@ -238,6 +252,19 @@ class CFPCallback(TrainerCallback):
             state.global_step, self._step_lr or _first_lr(kwargs.get("optimizer")), self.protection
         )
         self.protection.correct(lams, measure_residual=logs)
+        if self.recheck.due(state.global_step):
+            model = kwargs["model"]
+            anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # bound at train begin
+            self._rechecked, fresh = self.recheck.run(anchors, model, kwargs.get("processing_class"))
+            if fresh is not None:  # refresh F, keep theta0 (and lam_t's warm start)
+                lams_now = self.protection.lams
+                self.protection = self._bind(model, fresh, kwargs.get("optimizer"), LiveTheta0(self.protection))
+                self.protection.lams = lams_now
+
+    def _bind(self, model, anchors: Sequence[FisherAnchor], optimizer, theta0) -> CFPState:
+        return CFPState(
+            model, anchors, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
+        )
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -278,7 +305,8 @@ class CFPCallback(TrainerCallback):
         **kwargs: Any,
     ) -> None:
         if self.protection is not None and logs is not None and "loss" in logs:
-            add_to_step_log(state, logs, self.protection.drift_metrics())
+            add_to_step_log(state, logs, {**self.protection.drift_metrics(), **self._rechecked})
+            self._rechecked = {}
 
 
 def _optimizer_size(optimizer: torch.optim.Optimizer | None) -> tuple[int, int] | None:

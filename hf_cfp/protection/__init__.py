@@ -7,11 +7,12 @@ Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom 
 from .binding import BoundTensor, bind_anchor
 from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
 from .peft_adapters import peft_view
-from .state import CFPState
+from .state import CFPState, LiveTheta0
 
 __all__ = [
     "BoundTensor",
     "CFPState",
+    "LiveTheta0",
     "SavedTheta0",
     "bind_anchor",
     "has_saved_theta0",

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from ..anchor import FisherAnchor
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, CFPError
 from ..ops import (
     PullWeights,
     apply_correction,
@@ -41,6 +41,25 @@ class Theta0Reader(Protocol):
     def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
         """Set each LoRA-adapted weight's snapshot (its factors at train begin) to the saved one."""
         ...
+
+
+class LiveTheta0:
+    """The theta0 of a bound CFPState, as a `Theta0Reader`: a CFPState binding other anchors to the same model
+    (a refreshed F) keeps the path's origin, this process's pieces and the LoRA factors at train begin."""
+
+    def __init__(self, state: "CFPState"):
+        self.theta0 = dict(zip(state.names, state.theta0, strict=True))
+        self.snapshots = {weight.name: weight.snapshot for weight in state.adapted}
+
+    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
+        missing = [name for name, _ in wanted if name not in self.theta0]
+        if missing:
+            raise CFPError(f"No theta0 for {missing[0]!r}: the new anchors cover parameters the old ones did not.")
+        return {name: self.theta0[name].reshape(-1) for name, _ in wanted}
+
+    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
+        for weight in adapted:
+            weight.snapshot = self.snapshots[weight.name]
 
 
 class _CorrectionGroup:

@@ -1,0 +1,134 @@
+"""The KL budget on a real model: for each budget B (nats), an SFT run under `CFPCallback(math, kl_budget=B)`,
+and what came of it: the predicted KL 0.5 Delta^T F Delta at the last step (which the budget bounds), the
+measured KL(mu_0 || mu_theta) on the anchor's own calibration prompts and on held-out math prompts, and the
+task's gain. Plus, over the evidence experiment's arms, how the predicted KL compares with the measured one.
+
+Results go to `<output_dir>/results.jsonl` as they finish (resumable, like the evidence run); anchors are
+shared with the evidence experiment's directory when given the same one.
+"""
+
+import math
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ..demo.bundled import calibration_prompts
+from ..demo.models import load_causal_lm
+from ..evaluation import draw_base_responses
+from .measure import CapabilityProbe
+from .plan import Arm, Plan
+from .run import append_row, done_rows, load_or_estimate_anchors, tiny_model_and_tokenizer
+from .training import train_arm
+
+
+def budget_arms(budgets: tuple[float, ...], seed: int = 0) -> list[Arm]:
+    """The unregularized SFT run (the path the budget is measured against), then one run per budget."""
+    return [Arm("sft", "unregularized", 0.0, seed)] + [Arm("sft", "budget", b, seed, "math") for b in budgets]
+
+
+def run_budget_table(
+    plan: Plan, model_name: str, budgets: tuple[float, ...], output_dir: str, anchor_dir: str
+) -> list[dict]:
+    """One row per arm of `budget_arms`: predicted KL (math anchor), measured KL on the calibration prompts
+    (`math/calibration_kl`) and held-out ones (`math/kl`), task gain, seconds."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.jsonl"
+    done = done_rows(path)
+    base_model, tokenizer = tiny_model_and_tokenizer() if model_name == "tiny" else load_causal_lm(model_name)
+    anchors = load_or_estimate_anchors(base_model, tokenizer, plan, Path(anchor_dir))
+    print("Drawing the base model's responses on held-out and calibration prompts (once)", flush=True)
+    probe = CapabilityProbe(base_model, tokenizer, plan)
+    calibration = draw_base_responses(
+        base_model,
+        tokenizer,
+        calibration_prompts("math")[: plan.kl_prompts],
+        plan.kl_samples,
+        plan.kl_new_tokens,
+        seed=0,
+        batch_size=8,
+    )
+    arms = budget_arms(budgets)
+    for arm in arms:
+        if arm.key in done:
+            continue
+        start = time.perf_counter()
+        model, drift = train_arm(arm, base_model, tokenizer, anchors, plan, out / "runs")
+        measured = calibration.kl(model)
+        metrics = {
+            **drift,
+            **probe.measure(model, greedy=False),
+            "math/predicted_kl": drift["math/dtfd"] / 2,
+            "math/calibration_kl": measured.kl,
+            "math/calibration_kl_stderr": measured.stderr,
+        }
+        done[arm.key] = {
+            "key": arm.key,
+            "arm": asdict(arm),
+            "metrics": metrics,
+            "seconds": time.perf_counter() - start,
+        }
+        append_row(path, done[arm.key])
+        print(f"{arm.key}: predicted {metrics['math/predicted_kl']:.4g}, calibration KL {measured.kl:.4g} nats")
+    return [done[arm.key] for arm in arms]
+
+
+def budget_markdown(rows: list[dict]) -> str:
+    """The table: budget -> final predicted KL, measured KL (calibration and held-out prompts, +- stderr),
+    task gain and final loss."""
+    lines = [
+        "| run | budget (nats) | predicted KL | calibration KL | held-out math KL | task/sft_gain | loss |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        arm, m = row["arm"], row["metrics"]
+        budget = f"{arm['strength']:g}" if arm["method"] == "budget" else "none"
+        name = "unregularized" if arm["method"] == "unregularized" else "CFP kl_budget [math]"
+        lines.append(
+            f"| {name} | {budget} | {m['math/predicted_kl']:.3g} | {m['math/calibration_kl']:.3g} ± "
+            f"{m['math/calibration_kl_stderr']:.2g} | {m['math/kl']:.3g} ± {m['math/kl_stderr']:.2g} | "
+            f"{m['task/sft_gain']:.3g} | {m['loss']:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def prediction_summary(rows: list[dict]) -> str:
+    """Over result rows with a math DtFD and a measured math KL (the evidence arms): the ratio measured /
+    predicted KL, predicted = DtFD / 2 = 0.5 Delta^T F_math Delta, as median and range, and the rank
+    correlation (Spearman) of the two across arms."""
+    pairs = [
+        (r["metrics"]["math/dtfd"] / 2, r["metrics"]["math/kl"])
+        for r in rows
+        if "math/dtfd" in r["metrics"] and r["metrics"]["math/dtfd"] > 0
+    ]
+    if len(pairs) < 2:
+        return "Too few arms with a math DtFD and a measured math KL to compare.\n"
+    ratios = sorted(kl / predicted for predicted, kl in pairs)
+    rho = _spearman([p for p, _ in pairs], [k for _, k in pairs])
+    return (
+        f"Over {len(pairs)} arms: measured held-out math KL / predicted KL: median {statistics.median(ratios):.3g}, "
+        f"range {ratios[0]:.3g} to {ratios[-1]:.3g}; Spearman rank correlation {rho:.2f}.\n"
+    )
+
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    """Pearson correlation of the ranks (ties get the mean rank)."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                result[order[k]] = (i + j) / 2
+            i = j + 1
+        return result
+
+    rx, ry = ranks(x), ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    return cov / math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))

@@ -1,0 +1,37 @@
+"""scripts/budget_table.py --tiny end to end: the budget rows against the unregularized run of the same seed."""
+
+import importlib.util
+from pathlib import Path
+
+from hf_cfp.evidence.run import read_results
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "budget_table.py"
+
+
+def test_budget_table_on_the_tiny_model(tmp_path):
+    spec = importlib.util.spec_from_file_location("budget_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "out"
+    budgets = [1e9, 0.01, 0.002]
+    module.main(
+        [
+            "--tiny",
+            "--output-dir",
+            str(out),
+            "--anchor-dir",
+            str(tmp_path / "anchors"),
+            "--budgets",
+            *map(str, budgets),
+        ]
+    )
+    rows = {row["key"]: row["metrics"] for row in read_results(out / "results.jsonl")}
+    free = rows["sft/unregularized@0/seed0"]
+    never = rows["sft/budget[math]@1e+09/seed0"]
+    assert never == free  # a budget never reached: the same run, bit for bit
+    for budget in budgets[1:]:
+        assert free["math/predicted_kl"] > budget  # the unprotected path leaves both budgets
+        bound = rows[f"sft/budget[math]@{budget:g}/seed0"]
+        assert 0.8 * budget <= bound["math/predicted_kl"] <= 1.05 * budget
+    text = (out / "budget.md").read_text()
+    assert text.count("| CFP kl_budget [math] |") == 3 and "Spearman" in text
