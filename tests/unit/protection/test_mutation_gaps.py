@@ -226,6 +226,17 @@ def state_with_deltas(deltas, sharded):
     return state
 
 
+def all_drifts_equal(value):
+    """The metrics of anchor "m" when every drift is `value` (F = 1, every coordinate free), never corrected."""
+    return {
+        "cfp/m/sensitive_drift": value,
+        "cfp/m/free_drift": value,
+        "cfp/total_drift": value,
+        "cfp/m/predicted_kl": value**2 / 2,
+        "cfp/m/lam": 0.0,
+    }
+
+
 def second_process_with_equal_shards(monkeypatch):
     """An all-reduce over 2 processes whose sharded sums of squares equal this one's: doubles them."""
     calls = []
@@ -247,13 +258,7 @@ def test_replicated_sums_count_once_and_shard_sums_are_all_reduced(monkeypatch):
     metrics = state.drift_metrics()
     assert calls == [torch.float64]
     expected = math.sqrt(1 + 2 * 8)  # 17; swapping replicated and sharded would give 2 * 1 + 8 = 10
-    assert metrics == {
-        "cfp/m/sensitive_drift": expected,
-        "cfp/m/free_drift": expected,
-        "cfp/total_drift": expected,
-        "cfp/m/predicted_kl": expected**2 / 2,
-        "cfp/m/lam": 0.0,
-    }
+    assert metrics == all_drifts_equal(expected)
 
 
 def test_shard_sums_are_added_in_float64(monkeypatch):
@@ -262,13 +267,7 @@ def test_shard_sums_are_added_in_float64(monkeypatch):
     state = state_with_deltas([[4096.0], [4096.0], [1.0]], sharded=[True, True, True])
     metrics = state.drift_metrics()
     expected = math.sqrt(2 * (2**25 + 1))
-    assert metrics == {
-        "cfp/m/sensitive_drift": expected,
-        "cfp/m/free_drift": expected,
-        "cfp/total_drift": expected,
-        "cfp/m/predicted_kl": expected**2 / 2,
-        "cfp/m/lam": 0.0,
-    }
+    assert metrics == all_drifts_equal(expected)
 
 
 def test_a_monitor_covering_only_frozen_parameters_measures_zero():
