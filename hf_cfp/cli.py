@@ -1,18 +1,21 @@
-"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`."""
+"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`."""
 
 import argparse
 import json
 
+import torch
 from accelerate import PartialState
 
 from .anchor import FisherAnchor
 from .anchor.compare import compare_anchors
 from .anchor.statistics import concentration
 from .demo import run_demo
-from .demo.bundled import CALIBRATION_SETS, load_prompts
+from .demo.bundled import CALIBRATION_SETS, load_pairs, load_prompts
 from .demo.models import load_causal_lm
-from .errors import CFPError
+from .demo.run import sft_examples
+from .errors import CFPArgumentError, CFPError
 from .fisher import estimate_fisher
+from .fisher.diagnostics import diagnose
 
 
 def _demo(args) -> None:
@@ -80,6 +83,19 @@ def _compare(args) -> None:
     )
     for row in result["module_types"]:
         print(f"{row['type']:<{width}}{row['share_a']:>9.2%}{row['share_b']:>9.2%}")
+
+
+def _diagnose(args) -> None:
+    anchors = [FisherAnchor.from_pretrained(ref, local_files_only=args.offline) for ref in args.anchor]
+    if args.num_examples is not None and args.num_examples < 1:
+        raise CFPArgumentError(f"--num-examples must be >= 1, got {args.num_examples}.")
+    pairs = load_pairs(args.data)[: args.num_examples]
+    model, tokenizer = load_causal_lm(args.model)
+    rows = sft_examples(tokenizer, pairs)
+    ids, mask, labels = (torch.stack([row[key] for row in rows]) for key in ("input_ids", "attention_mask", "labels"))
+    print(f"Model: {args.model}; SFT batch: {args.data}, {len(pairs)} (prompt, response) pairs\n")
+    for reference, anchor in zip(args.anchor, anchors, strict=True):
+        print(f"{reference}\n{diagnose(model, anchor, ids, labels, mask, args.batch_size).to_text()}\n")
 
 
 def _pull(args) -> None:
@@ -170,6 +186,22 @@ def main(argv=None) -> None:
         compare.add_argument(which, help="anchor directory, or Hub reference org/model[@revision][:subfolder]")
     compare.add_argument("--offline", action="store_true", help="use the local cache only")
     compare.set_defaults(run=_compare)
+    diagnose_ = commands.add_parser(
+        "diagnose", help="where an SFT batch's gradient lies against anchors' top-1%% F, and the Fisher bound on it"
+    )
+    diagnose_.add_argument("--anchor", nargs="+", required=True, help="anchor directories or Hub references")
+    diagnose_.add_argument(
+        "--model", default="smollm2-135m", help="the anchors' model: directory, .gguf, smollm2-135m"
+    )
+    diagnose_.add_argument(
+        "--data",
+        default="pirate_style",
+        help="'pirate_style' (bundled, the demo's SFT set) or a .jsonl of prompt/response (or completion) pairs",
+    )
+    diagnose_.add_argument("--num-examples", type=int, default=None, help="the first N pairs (default all)")
+    diagnose_.add_argument("--batch-size", type=int, default=8, help="rows per forward (memory only)")
+    diagnose_.add_argument("--offline", action="store_true", help="use the local cache only")
+    diagnose_.set_defaults(run=_diagnose)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -61,6 +61,34 @@ def pirate_style_pairs() -> list[tuple[str, str]]:
     return [(row["prompt"], row["response"]) for row in _read_jsonl("pirate_style.jsonl")]
 
 
+def load_pairs(source: str = "pirate_style") -> list[tuple[str, str]]:
+    """(prompt, response) SFT pairs: the bundled "pirate_style" set (`pirate_style_pairs`) or a `.jsonl` file with
+    "prompt" and "response" (or TRL's "completion") text fields per line."""
+    if source == "pirate_style":
+        return pirate_style_pairs()
+    if not os.path.isfile(source) or not source.endswith(".jsonl"):
+        raise CFPArgumentError(f"{source!r} is neither the bundled 'pirate_style' set nor a .jsonl file.")
+    pairs = []
+    with open(source, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise CFPArgumentError(f"{source}, line {number}: not JSON ({error}).") from None
+            row = row if isinstance(row, dict) else {}
+            prompt, response = row.get("prompt"), row.get("response", row.get("completion"))
+            if not isinstance(prompt, str) or not isinstance(response, str):
+                raise CFPArgumentError(
+                    f"{source}, line {number}: give text fields 'prompt' and 'response' (or 'completion')."
+                )
+            pairs.append((prompt, response))
+    if not pairs:
+        raise CFPArgumentError(f"{source} holds no (prompt, response) pairs.")
+    return pairs
+
+
 def pirate_preference_triples() -> list[tuple[str, str, str]]:
     """(prompt, chosen, rejected) for DPO on the off-capability task: the prompts and pirate responses
     of `pirate_style_pairs` chosen, a plain answer of similar length rejected."""

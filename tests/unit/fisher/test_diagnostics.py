@@ -8,9 +8,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from support.references import ref_sequence_score
-from support.tiny import tiny_llama
+from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import AnchorMismatchError, FisherAnchor
+from hf_cfp.cli import main
+from hf_cfp.demo.bundled import load_pairs
+from hf_cfp.demo.models import load_causal_lm
+from hf_cfp.demo.run import sft_examples
 from hf_cfp.fisher.diagnostics import diagnose, sft_signal_log_second_moment
 
 # rows of a right-padded batch: (prompt length, response length); labels -100 on prompts and padding
@@ -178,3 +182,46 @@ def test_an_anchor_for_another_model_is_refused():
     shape = FisherAnchor({"lm_head.weight": torch.ones(3, 3)}, name="shape")
     with pytest.raises(AnchorMismatchError, match=r"'lm_head.weight' has shape \(3, 3\) in the first"):
         diagnose(model, shape, ids, labels, mask)
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model = tiny_llama(vocab_size=len(tokenizer), hidden_size=16, max_position_embeddings=256)
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    FisherAnchor({n: torch.rand(p.shape) for n, p in model.named_parameters()}, name="math").save_pretrained(
+        tmp_path / "anchor"
+    )
+    return tmp_path
+
+
+def test_cli_prints_the_report_of_diagnose(tiny_model_dir, capsys):
+    data = tiny_model_dir / "pairs.jsonl"
+    data.write_text('{"prompt": "two plus three", "completion": "is five"}\n\n{"prompt": "sum", "response": "code"}\n')
+    anchor, model_dir = str(tiny_model_dir / "anchor"), str(tiny_model_dir / "model")
+    main(["diagnose", "--anchor", anchor, anchor, "--model", model_dir, "--data", str(data), "--batch-size", "1"])
+    out = capsys.readouterr().out
+    model, tokenizer = load_causal_lm(model_dir)  # the saved ones, loaded as the CLI does
+    rows = sft_examples(tokenizer, [("two plus three", "is five"), ("sum", "code")])
+    batch = [torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels", "attention_mask")]
+    expected = diagnose(model, FisherAnchor.from_pretrained(anchor), *batch).to_text()
+    assert out.count(expected) == 2 and "2 (prompt, response) pairs" in out
+    main(["diagnose", "--anchor", anchor, "--model", model_dir, "--num-examples", "3"])  # the bundled SFT set
+    assert "batch of 3 sequences" in capsys.readouterr().out and len(load_pairs()) > 3
+
+
+def test_cli_errors_are_one_line(tiny_model_dir, capsys):
+    model_dir = str(tiny_model_dir / "model")
+    bad = tiny_model_dir / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n')
+    for argv, message in (
+        (["--anchor", str(tiny_model_dir / "missing")], "No anchor directory at"),
+        (["--anchor", str(tiny_model_dir / "anchor"), "--data", str(bad)], "bad.jsonl, line 1: give text fields"),
+        (["--anchor", str(tiny_model_dir / "anchor"), "--num-examples", "0"], "--num-examples must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["diagnose", *argv, "--model", model_dir])
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 1 and err.startswith("hf-cfp diagnose: error: ") and message in err, err
+        assert "Traceback" not in err
