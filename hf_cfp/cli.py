@@ -15,7 +15,7 @@ from .demo.models import load_causal_lm
 from .demo.run import sft_examples
 from .errors import CFPArgumentError, CFPError
 from .fisher import estimate_fisher
-from .fisher.diagnostics import diagnose
+from .fisher.diagnostics import diagnose_anchors
 
 
 def _demo(args) -> None:
@@ -94,8 +94,9 @@ def _diagnose(args) -> None:
     rows = sft_examples(tokenizer, pairs)
     ids, mask, labels = (torch.stack([row[key] for row in rows]) for key in ("input_ids", "attention_mask", "labels"))
     print(f"Model: {args.model}; SFT batch: {args.data}, {len(pairs)} (prompt, response) pairs\n")
-    for reference, anchor in zip(args.anchor, anchors, strict=True):
-        print(f"{reference}\n{diagnose(model, anchor, ids, labels, mask, args.batch_size).to_text()}\n")
+    reports = diagnose_anchors(model, anchors, ids, labels, mask, args.batch_size)  # one gradient for all
+    for reference, report in zip(args.anchor, reports, strict=True):
+        print(f"{reference}\n{report.to_text()}\n")
 
 
 def _pull(args) -> None:

@@ -114,14 +114,13 @@ def fisher_bound(gradient: Sequence[torch.Tensor], fisher: Sequence[torch.Tensor
     count = holds = above = unbounded = 0
     required, pieces = -math.inf, []
     for g, f in zip(gradient, fisher, strict=True):
-        g, f = g.detach().double().abs().cpu(), f.detach().double().cpu()
-        log_ratio = g.log10() - 0.5 * f.log10()  # log10 |g_i| / sqrt(F_i)
-        if bool((f > 0).any()):
-            required = max(required, float(log_ratio[f > 0].max()))
-        log_ratio = (log_ratio - log10_scale).masked_fill(g == 0, -math.inf)
+        g, f = g.detach().float().abs().cpu(), f.detach().float().cpu()
+        log_ratio = g.log10() - 0.5 * f.log10()  # log10 |g_i| / sqrt(F_i), in float32 (135M coordinates)
+        required = max(required, float(log_ratio.masked_fill(f == 0, -math.inf).max()))
+        log_ratio = log_ratio.sub_(log10_scale).masked_fill_(g == 0, -math.inf)
         count, unbounded = count + g.numel(), unbounded + int(((f == 0) & (g > 0)).sum())
         holds, above = holds + int((log_ratio <= 0).sum()), above + int((log_ratio > math.log10(0.5)).sum())
-        pieces.append(log_ratio.float().reshape(-1))
+        pieces.append(log_ratio.reshape(-1))
     flat = torch.cat(pieces)
     median, largest = flat.kthvalue((count + 1) // 2).values, flat.max()
     return {
@@ -185,27 +184,37 @@ def diagnose(model, anchor: FisherAnchor, input_ids, labels, attention_mask=None
     or truncated sampler does not meet that condition: a violation (r_i > 1, `unbounded`) then measures
     that mismatch, not a failure of the inequality. Only the anchor's coordinates are read; its names
     must be the model's (`AnchorMismatchError` otherwise)."""
+    return diagnose_anchors(model, [anchor], input_ids, labels, attention_mask, batch_size)[0]
+
+
+def diagnose_anchors(model, anchors: Sequence[FisherAnchor], input_ids, labels, attention_mask=None, batch_size=8):
+    """[`diagnose`(model, anchor, ...) for each anchor], the gradient taken once over all their parameters."""
     named = dict(named_parameters_once(model, trainable_only=False))
-    covered = {n: named[n] for n in anchor.fisher if n in named}
-    difference = layout_difference(anchor.fisher, covered)
-    if difference is not None:
-        raise AnchorMismatchError(
-            f"Anchor {anchor.name!r} does not fit the model (first: the anchor, second: the model): {difference}. "
-            "Diagnose with the model the anchor was estimated for."
+    for anchor in anchors:
+        difference = layout_difference(anchor.fisher, {n: named[n] for n in anchor.fisher if n in named})
+        if difference is not None:
+            raise AnchorMismatchError(
+                f"Anchor {anchor.name!r} does not fit the model (first: the anchor, second: the model): "
+                f"{difference}. Diagnose with the model the anchor was estimated for."
+            )
+    names = list(dict.fromkeys(n for anchor in anchors for n in anchor.fisher))
+    grads, log_probs, tokens = labelled_gradient(
+        model, [named[n] for n in names], input_ids, labels, attention_mask, batch_size
+    )
+    gradient = {n: g.cpu() for n, g in zip(names, grads, strict=True)}
+    log_second_moment = sft_signal_log_second_moment(log_probs)
+    reports = []
+    for anchor in anchors:
+        fisher, own = list(anchor.fisher.values()), [gradient[n] for n in anchor.fisher]
+        reports.append(
+            GradientDiagnostics(
+                anchor=anchor.name,
+                num_coordinates=sum(f.numel() for f in fisher),
+                num_sequences=len(input_ids),
+                num_tokens=tokens,
+                fisher_mass_share=anchor.metadata["statistics"]["top1pct_mass_share"],
+                **gradient_concentration(own, fisher),
+                **fisher_bound(own, fisher, log_second_moment),
+            )
         )
-    fisher = list(anchor.fisher.values())
-    gradient, log_probs, tokens = labelled_gradient(
-        model, list(covered.values()), input_ids, labels, attention_mask, batch_size
-    )
-    gradient = [g.cpu() for g in gradient]
-    concentration = gradient_concentration(gradient, fisher)
-    bound = fisher_bound(gradient, fisher, sft_signal_log_second_moment(log_probs))
-    return GradientDiagnostics(
-        anchor=anchor.name,
-        num_coordinates=sum(f.numel() for f in fisher),
-        num_sequences=len(input_ids),
-        num_tokens=tokens,
-        fisher_mass_share=anchor.metadata["statistics"]["top1pct_mass_share"],
-        **concentration,
-        **bound,
-    )
+    return reports

@@ -15,7 +15,7 @@ from hf_cfp.cli import main
 from hf_cfp.demo.bundled import load_pairs
 from hf_cfp.demo.models import load_causal_lm
 from hf_cfp.demo.run import sft_examples
-from hf_cfp.fisher.diagnostics import diagnose, sft_signal_log_second_moment
+from hf_cfp.fisher.diagnostics import diagnose, diagnose_anchors, sft_signal_log_second_moment
 
 # rows of a right-padded batch: (prompt length, response length); labels -100 on prompts and padding
 ROWS = [(3, 4), (1, 6), (5, 2), (2, 5), (4, 3)]
@@ -92,6 +92,11 @@ def test_diagnose_matches_a_per_parameter_loop():
     assert result.log10_required_scale == pytest.approx(math.log10(required), abs=1e-5)
 
 
+def assert_same_report(a, b):
+    for field, value in vars(a).items():
+        assert getattr(b, field) == (value if isinstance(value, (int, str)) else pytest.approx(value, 1e-4)), field
+
+
 def test_row_chunking_and_left_padding_change_nothing():
     model = tiny_llama(vocab_size=32, hidden_size=16)
     ids, labels, mask = llama_batch(seed=2)
@@ -99,12 +104,21 @@ def test_row_chunking_and_left_padding_change_nothing():
     whole = diagnose(model, anchor, ids, labels, mask, batch_size=len(ROWS))
     shift = [WIDTH - int(m.sum()) for m in mask]  # the same rows, left-padded
     left = [torch.stack([row.roll(s) for row, s in zip(t, shift, strict=True)]) for t in (ids, labels, mask)]
-    for other in (
-        diagnose(model, anchor, ids, labels, mask, batch_size=1),
-        diagnose(model, anchor, *left[:2], left[2]),
-    ):
-        for field, value in vars(whole).items():
-            assert getattr(other, field) == (value if isinstance(value, (int, str)) else pytest.approx(value, 1e-4))
+    assert_same_report(whole, diagnose(model, anchor, ids, labels, mask, batch_size=1))
+    assert_same_report(whole, diagnose(model, anchor, *left[:2], left[2]))
+
+
+def test_several_anchors_share_one_gradient():
+    """Anchors over disjoint parameter sets: one gradient over their union, each report as if alone."""
+    model = tiny_llama(vocab_size=32, hidden_size=16)
+    ids, labels, mask = llama_batch(seed=3)
+    named = list(model.named_parameters())
+    even = FisherAnchor({n: torch.rand(p.shape) for n, p in named[0::2]}, name="even")
+    odd = FisherAnchor({n: torch.rand(p.shape) for n, p in named[1::2]}, name="odd")
+    together = diagnose_anchors(model, [even, odd], ids, labels, mask)
+    assert [r.anchor for r in together] == ["even", "odd"]
+    for report, anchor in zip(together, (even, odd), strict=True):
+        assert_same_report(diagnose(model, anchor, ids, labels, mask), report)
 
 
 class Bandit(torch.nn.Module):
