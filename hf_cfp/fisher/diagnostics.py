@@ -157,20 +157,25 @@ class GradientDiagnostics:
     def to_text(self) -> str:
         pct = f"{self.fraction:.0%}" if self.fraction >= 0.01 else f"{self.fraction:.1%}"
         rows = [
-            f"Anchor {self.anchor!r}: {self.num_coordinates:,} coordinates; batch of {self.num_sequences} "
-            f"sequences, {self.num_tokens} labelled tokens; g = (1/B) sum_b d/dtheta log pi(y_b|x_b)",
-            f"  top {pct} of F (T(F)): share of sum F_i       {self.fisher_mass_share:10.4f}",
-            f"  share of sum g_i^2 in T(F)                  {self.energy_share:10.4f}   (random: {self.fraction:.4f})",
-            f"  |T(F) & T(|g|)| / |T|                       {self.top_overlap:10.4f}   (random: {self.fraction:.4f})",
-            "  bound |g_i| <= sqrt(F_i) sqrt(E[a^2]), SFT: E[a^2] = mean_b (1/pi(y_b|x_b) - 1)",
-            f"  sqrt(E[a^2])                                10^{self.log10_signal_scale:.2f}",
-            f"  least sqrt(E[a^2]) holding on all F_i > 0   10^{self.log10_required_scale:.2f}",
-            f"  holds on (r_i <= 1)                         {self.holds_share:10.4%}",
-            f"  F_i = 0 but g_i != 0                        {self.unbounded:10d}",
-            f"  r_i = |g_i| / bound: median {self.ratio_median:.3g}, max {self.ratio_max:.3g}, "
-            f"share above 0.5 {self.above_half_share:.4%}",
+            ("sum_{T(F)} F_i / sum F_i", f"{self.fisher_mass_share:.4f}"),
+            ("sum_{T(F)} g_i^2 / sum g_i^2", f"{self.energy_share:.4f}   (random {self.fraction:.4f})"),
+            ("|T(F) & T(|g|)| / |T|", f"{self.top_overlap:.4f}   (random {self.fraction:.4f})"),
+            None,
+            ("sqrt(E[a^2])", f"10^{self.log10_signal_scale:.2f}"),
+            ("least sqrt(E[a^2]) holding on every F_i > 0", f"10^{self.log10_required_scale:.2f}"),
+            ("share of coordinates where it holds (r_i <= 1)", f"{self.holds_share:.4%}"),
+            ("coordinates with F_i = 0 < |g_i|", f"{self.unbounded:d}"),
+            ("r_i = |g_i| / bound: median", f"{self.ratio_median:.3g}"),
+            ("                     max", f"{self.ratio_max:.3g}"),
+            ("                     share above 0.5", f"{self.above_half_share:.4%}"),
         ]
-        return "\n".join(rows)
+        head = [
+            f"Anchor {self.anchor!r}: {self.num_coordinates:,} coordinates; SFT batch of {self.num_sequences} "
+            f"sequences, {self.num_tokens} labelled tokens",
+            f"g = (1/B) sum_b d/dtheta log pi(y_b|x_b); T(v) = the top {pct} coordinates of v",
+        ]
+        bound = "bound |g_i| <= sqrt(F_i) sqrt(E[a^2]), SFT's E[a^2] = mean_b (1/pi(y_b|x_b) - 1)"
+        return "\n".join(head + [bound if row is None else f"  {row[0]:<48}{row[1]}" for row in rows])
 
 
 def diagnose(model, anchor: FisherAnchor, input_ids, labels, attention_mask=None, batch_size: int = 8):
