@@ -14,6 +14,7 @@ from support.tiny import tiny_llama, tiny_tokenizer
 from hf_cfp.demo.bundled import (
     calibration_prompts,
     eval_items,
+    load_pairs,
     load_prompts,
     math_eval_items,
     pirate_preference_triples,
@@ -123,6 +124,24 @@ def test_pirate_preferences_share_the_sft_prompts_and_responses():
     for _, chosen, rejected in triples:
         assert chosen != rejected and not rejected.lower().startswith("arr")
         assert 0.5 < len(rejected) / len(chosen) < 2.0  # similar length
+
+
+def test_load_pairs_reads_the_bundled_set_or_a_jsonl_file(tmp_path):
+    assert load_pairs() == load_pairs("pirate_style") == pirate_style_pairs()
+    path = tmp_path / "pairs.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n\n{"prompt": "c", "completion": "d"}\n')
+    assert load_pairs(str(path)) == [("a", "b"), ("c", "d")]
+    for text, message in (
+        ("not json\n", "line 1: not JSON"),
+        ('{"prompt": "a"}\n', "line 1: give text fields"),
+        ('["a", "b"]\n', "line 1: give text fields"),
+        ("\n", "holds no (prompt, response) pairs"),
+    ):
+        path.write_text(text)
+        with pytest.raises(CFPArgumentError, match=re.escape(message)):
+            load_pairs(str(path))
+    with pytest.raises(CFPArgumentError, match="neither the bundled 'pirate_style' set nor a .jsonl file"):
+        load_pairs(str(tmp_path / "pairs.txt"))
 
 
 def test_is_refusal_phrases():
