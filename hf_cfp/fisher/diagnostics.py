@@ -19,7 +19,7 @@ from ..anchor import FisherAnchor
 from ..anchor.compare import layout_difference, top_mask, top_overlap
 from ..errors import AnchorMismatchError, CFPArgumentError
 from ..names import named_parameters_once
-from .estimate import _requires_grad
+from .estimate import requiring_grad
 
 IGNORE_INDEX = -100  # the label of positions the loss skips (transformers' convention)
 
@@ -46,7 +46,7 @@ def labelled_gradient(model, params, input_ids, labels, attention_mask=None, bat
     was_training = model.training
     model.eval()
     try:
-        with _requires_grad(params):
+        with requiring_grad(params):
             for start in range(0, len(input_ids), batch_size):
                 ids, lab, att = (t[start : start + batch_size].to(device) for t in (input_ids, labels, mask))
                 positions = (att.cumsum(-1) - 1).clamp(min=0)  # right or left padding

@@ -132,7 +132,7 @@ def estimate_fisher(
     try:
         _check_causal_lm(model, prompt_ids[0])
         with (
-            _requires_grad(params),
+            requiring_grad(params),
             tqdm(
                 total=my_sequences, desc=f"Fisher[{name}]", unit="seq", disable=not show_progress or rank != 0
             ) as progress,
@@ -250,7 +250,7 @@ def _check_causal_lm(model, prompt: list[int]) -> None:
 
 
 @contextlib.contextmanager
-def _requires_grad(params):
+def requiring_grad(params):
     """Let frozen parameters (trainable_only=False) receive scores, then restore their flags."""
     frozen = [p for p in params if not p.requires_grad]
     for p in frozen:
