@@ -7,11 +7,14 @@ Results go to `<output_dir>/results.jsonl` as they finish (resumable, like the e
 shared with the evidence experiment's directory when given the same one.
 """
 
+import copy
 import math
 import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+import torch
 
 from ..demo.bundled import calibration_prompts
 from ..demo.models import load_causal_lm
@@ -28,10 +31,11 @@ def budget_arms(budgets: tuple[float, ...], seed: int = 0) -> list[Arm]:
 
 
 def run_budget_table(
-    plan: Plan, model_name: str, budgets: tuple[float, ...], output_dir: str, anchor_dir: str
-) -> list[dict]:
+    plan: Plan, model_name: str, budgets: tuple[float, ...], output_dir: str, anchor_dir: str, scaling: bool = False
+) -> tuple[list[dict], list[dict]]:
     """One row per arm of `budget_arms`: predicted KL (math anchor), measured KL on the calibration prompts
-    (`math/calibration_kl`) and held-out ones (`math/kl`), task gain, seconds."""
+    (`math/calibration_kl`) and held-out ones (`math/kl`), task gain, seconds; with `scaling`, also
+    `displacement_scaling` along the unregularized run's displacement (else no rows)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
@@ -50,11 +54,13 @@ def run_budget_table(
         batch_size=8,
     )
     arms = budget_arms(budgets)
+    unregularized = None
     for arm in arms:
         if arm.key in done:
             continue
         start = time.perf_counter()
         model, drift = train_arm(arm, base_model, tokenizer, anchors, plan, out / "runs")
+        unregularized = model if arm.method == "unregularized" else unregularized
         measured = calibration.kl(model)
         metrics = {
             **drift,
@@ -71,7 +77,45 @@ def run_budget_table(
         }
         append_row(path, done[arm.key])
         print(f"{arm.key}: predicted {metrics['math/predicted_kl']:.4g}, calibration KL {measured.kl:.4g} nats")
-    return [done[arm.key] for arm in arms]
+    rows = [done[arm.key] for arm in arms]
+    if not scaling:
+        return rows, []
+    if unregularized is None:  # resumed: train it again (the same seed gives the same run)
+        unregularized, _ = train_arm(arms[0], base_model, tokenizer, anchors, plan, out / "runs")
+    return rows, displacement_scaling(base_model, unregularized, anchors["math"], calibration)
+
+
+def displacement_scaling(base_model, trained, anchor, calibration, scales=(1.0, 0.3, 0.1, 0.03, 0.01)) -> list[dict]:
+    """Why the predicted KL is off: along the trained displacement Delta = theta_trained - theta0, the measured KL
+    of theta0 + s Delta (on `calibration`, base responses drawn once) against the diagonal prediction
+    0.5 s^2 sum_i F_i Delta_i^2. A ratio that stays far above 1 as s -> 0 is the diagonal's missing cross terms
+    (second order holds for the full F there); a ratio that falls toward 1 is the path leaving the quadratic
+    regime."""
+    base = dict(base_model.named_parameters())
+    moved = {n: p.detach() for n, p in trained.named_parameters()}
+    diagonal = 0.5 * sum(
+        float((anchor.fisher[n].double() * (moved[n] - base[n]).double() ** 2).sum()) for n in anchor.fisher
+    )
+    probe = copy.deepcopy(base_model)
+    rows = []
+    with torch.no_grad():
+        for scale in scales:
+            for name, param in probe.named_parameters():
+                param.copy_(base[name] + scale * (moved[name] - base[name]))
+            measured = calibration.kl(probe)
+            predicted = scale**2 * diagonal
+            rows.append({"scale": scale, "predicted": predicted, "measured": measured.kl, "stderr": measured.stderr})
+    return rows
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    lines = ["| s | predicted KL | measured KL (calibration) | measured / predicted |", "|---|---|---|---|"]
+    for r in rows:
+        ratio = r["measured"] / r["predicted"] if r["predicted"] > 0 else math.nan
+        lines.append(
+            f"| {r['scale']:g} | {r['predicted']:.3g} | {r['measured']:.3g} ± {r['stderr']:.2g} | {ratio:.3g} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def budget_markdown(rows: list[dict]) -> str:

@@ -1,7 +1,10 @@
 """scripts/budget_table.py --tiny end to end: the budget rows against the unregularized run of the same seed."""
 
 import importlib.util
+import json
 from pathlib import Path
+
+import pytest
 
 from hf_cfp.evidence.run import read_results
 
@@ -17,6 +20,7 @@ def test_budget_table_on_the_tiny_model(tmp_path):
     module.main(
         [
             "--tiny",
+            "--scaling",
             "--output-dir",
             str(out),
             "--anchor-dir",
@@ -33,5 +37,12 @@ def test_budget_table_on_the_tiny_model(tmp_path):
         assert free["math/predicted_kl"] > budget  # the unprotected path leaves both budgets
         bound = rows[f"sft/budget[math]@{budget:g}/seed0"]
         assert 0.8 * budget <= bound["math/predicted_kl"] <= 1.05 * budget
+    # the scaling analysis at s = 1 is the unregularized run again: the same KL on the same base responses, and the
+    # diagonal prediction computed directly in float64 equals the callback's logged one
+    scaling = json.loads((out / "scaling.json").read_text())
+    assert [row["scale"] for row in scaling] == [1.0, 0.3, 0.1, 0.03, 0.01]
+    assert scaling[0]["measured"] == pytest.approx(free["math/calibration_kl"], rel=1e-4)  # theta0 + (theta - theta0)
+    assert scaling[0]["predicted"] == pytest.approx(free["math/predicted_kl"], rel=1e-5)
+    assert scaling[-1]["predicted"] == pytest.approx(1e-4 * scaling[0]["predicted"], rel=1e-9)
     text = (out / "budget.md").read_text()
     assert text.count("| CFP kl_budget [math] |") == 3 and "Spearman" in text
