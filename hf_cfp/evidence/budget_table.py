@@ -19,6 +19,7 @@ import torch
 from ..demo.bundled import calibration_prompts
 from ..demo.models import load_causal_lm
 from ..evaluation import draw_base_responses
+from ..fisher.staleness import reestimate, top1_overlap
 from .measure import CapabilityProbe
 from .plan import Arm, Plan
 from .run import append_row, done_rows, load_or_estimate_anchors, tiny_model_and_tokenizer
@@ -35,7 +36,8 @@ def run_budget_table(
 ) -> tuple[list[dict], list[dict]]:
     """One row per arm of `budget_arms`: predicted KL (math anchor), measured KL on the calibration prompts
     (`math/calibration_kl`) and held-out ones (`math/kl`), task gain, seconds; with `scaling`, also
-    `displacement_scaling` along the unregularized run's displacement (else no rows)."""
+    `displacement_scaling` along the unregularized run's displacement and, last, the staleness of the math
+    anchor after that run (`top1_overlap_now` of F re-estimated at its weights, and the seconds it took)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.jsonl"
@@ -82,7 +84,12 @@ def run_budget_table(
         return rows, []
     if unregularized is None:  # resumed: train it again (the same seed gives the same run)
         unregularized, _ = train_arm(arms[0], base_model, tokenizer, anchors, plan, out / "runs")
-    return rows, displacement_scaling(base_model, unregularized, anchors["math"], calibration)
+    along = displacement_scaling(base_model, unregularized, anchors["math"], calibration)
+    start = time.perf_counter()
+    now = reestimate(anchors["math"], unregularized, tokenizer, calibration_prompts("math"))
+    seconds = time.perf_counter() - start
+    staleness = {"scale": "staleness", "top1_overlap_now": top1_overlap(anchors["math"], now), "seconds": seconds}
+    return rows, [*along, staleness]
 
 
 def displacement_scaling(base_model, trained, anchor, calibration, scales=(1.0, 0.3, 0.1, 0.03, 0.01)) -> list[dict]:
@@ -109,12 +116,19 @@ def displacement_scaling(base_model, trained, anchor, calibration, scales=(1.0, 
 
 
 def scaling_markdown(rows: list[dict]) -> str:
+    """The `displacement_scaling` table, then the staleness line."""
     lines = ["| s | predicted KL | measured KL (calibration) | measured / predicted |", "|---|---|---|---|"]
+    *rows, staleness = rows
     for r in rows:
         ratio = r["measured"] / r["predicted"] if r["predicted"] > 0 else math.nan
         lines.append(
             f"| {r['scale']:g} | {r['predicted']:.3g} | {r['measured']:.3g} ± {r['stderr']:.2g} | {ratio:.3g} |"
         )
+    lines.append(
+        f"\nStaleness after the unregularized run: the math anchor's top-1% set keeps "
+        f"{staleness['top1_overlap_now']:.1%} of its coordinates at the trained weights (re-estimated in "
+        f"{staleness['seconds']:.0f} s)."
+    )
     return "\n".join(lines) + "\n"
 
 

@@ -62,7 +62,7 @@ class Strength:
         """What the strength does, in one line: for a budget, its value; for lam, the share of covered
         coordinates with P = sum_k lam_k F_k > 1 (pulled back by more than half each step) and, given the
         learning rate, the fixed-point displacement d / P of a persistent step d = learning_rate (an Adam-sized
-        step) at the 99th percentile of P (P at the peak learning rate when lam follows it)."""
+        step) at the 99th and 99.9th percentiles of P (P at the peak learning rate when lam follows it)."""
         anchors = ", ".join(protection.protecting)
         if self.kl_budget is not None:
             return (
@@ -74,7 +74,7 @@ class Strength:
         if self.scale_with_lr and learning_rate is None:
             return f"CFP [{anchors}]: lam {_numbers(self.lam)} x the learning rate of each step."
         lams = [lam * learning_rate for lam in self.lam] if self.scale_with_lr and learning_rate else list(self.lam)
-        count, halved, p99 = protection.pull_profile(lams)
+        count, halved, p99, p999 = protection.pull_profile(lams)
         scaled = f" x lr ({learning_rate:g} at peak)" if self.scale_with_lr else ""
         line = (
             f"CFP [{anchors}]: lam {_numbers(self.lam)}{scaled} pulls {halved:.2%} of {count:,} protected "
@@ -82,11 +82,16 @@ class Strength:
         )
         if learning_rate is None:
             return line + "."
-        settle = f"{learning_rate / p99:.3g}" if p99 > 0 else "inf (no pull)"
         return (
-            f"{line}; a persistent step of {learning_rate:g} settles at |theta - theta0| = {settle} at the 99th "
-            "percentile of lam F."
+            f"{line}; a persistent step of {learning_rate:g} settles at |theta - theta0| = "
+            f"{_settle(learning_rate, p99)} at the 99th percentile of lam F, {_settle(learning_rate, p999)} at the "
+            "99.9th."
         )
+
+
+def _settle(step: float, pull: float) -> str:
+    """The fixed point d / P of a persistent step d under the pull P."""
+    return f"{step / pull:.3g}" if pull > 0 else "no limit (no pull)"
 
 
 def _numbers(values: Sequence[float]) -> str:

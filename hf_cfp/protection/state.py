@@ -210,17 +210,17 @@ class CFPState:
         if self.master is not None:
             self.master.correct(self.lams)
 
-    def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float]:
-        """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th
-        percentile of P) over the full-parameter correction groups (LoRA-adapted weights not counted)."""
+    def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
+        """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th and
+        the 99.9th percentile of P) over the full-parameter correction groups (LoRA-adapted weights not counted)."""
         strengths = [
             s for group in self.groups for row in group.weights.fishers if (s := pull_strength(row, lams)) is not None
         ]
         count = sum(s.numel() for s in strengths)
         if count == 0:
-            return 0, 0.0, 0.0
+            return 0, 0.0, 0.0, 0.0
         halved = sum(int((s > 1).sum()) for s in strengths) / count
-        return count, halved, free_threshold(strengths, 0.99)
+        return count, halved, free_threshold(strengths, 0.99), free_threshold(strengths, 0.999)
 
     def budget_lams(self, budgets: Sequence[float], tolerance: float = 0.01) -> list[float]:
         """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta, Delta the corrected

@@ -40,9 +40,11 @@ def test_budget_table_on_the_tiny_model(tmp_path):
     # the scaling analysis at s = 1 is the unregularized run again: the same KL on the same base responses, and the
     # diagonal prediction computed directly in float64 equals the callback's logged one
     scaling = json.loads((out / "scaling.json").read_text())
+    *scaling, staleness = scaling
     assert [row["scale"] for row in scaling] == [1.0, 0.3, 0.1, 0.03, 0.01]
+    assert 0 <= staleness["top1_overlap_now"] < 1  # 6 steps at lr 3e-3 move the tiny model's top set
     assert scaling[0]["measured"] == pytest.approx(free["math/calibration_kl"], rel=1e-4)  # theta0 + (theta - theta0)
     assert scaling[0]["predicted"] == pytest.approx(free["math/predicted_kl"], rel=1e-5)
     assert scaling[-1]["predicted"] == pytest.approx(1e-4 * scaling[0]["predicted"], rel=1e-9)
     text = (out / "budget.md").read_text()
-    assert text.count("| CFP kl_budget [math] |") == 3 and "Spearman" in text
+    assert text.count("| CFP kl_budget [math] |") == 3 and "Spearman" in text and "Staleness" in text
