@@ -98,7 +98,7 @@ def displacement_scaling(base_model, trained, anchor, calibration, scales=(1.0, 
     0.5 s^2 sum_i F_i Delta_i^2. A ratio that stays far above 1 as s -> 0 is the diagonal's missing cross terms
     (second order holds for the full F there); a ratio that falls toward 1 is the path leaving the quadratic
     regime."""
-    base = dict(base_model.named_parameters())
+    base = {n: p.detach() for n, p in base_model.named_parameters()}
     moved = {n: p.detach() for n, p in trained.named_parameters()}
     diagonal = 0.5 * sum(
         float((anchor.fisher[n].double() * (moved[n] - base[n]).double() ** 2).sum()) for n in anchor.fisher
