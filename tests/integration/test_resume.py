@@ -79,7 +79,8 @@ def test_checkpoint_holds_theta0_and_resume_true_is_bit_identical(runs):
     resumed, resumed_logs = run(tmp / "crashed", resume=True)
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
     last = {k: v for k, v in straight_logs[-2].items() if k.startswith("cfp/")}
-    assert len(last) == 5 and last == {k: resumed_logs[-2][k] for k in last}
+    # per anchor sensitive, free and predicted KL, the total, and the protecting anchor's lam
+    assert len(last) == 8 and last == {k: resumed_logs[-2][k] for k in last}
 
 
 def test_a_checkpoint_moved_elsewhere_resumes_into_a_fresh_output_dir(runs):
@@ -158,7 +159,7 @@ def test_a_lora_run_resumes_bit_identically_from_its_train_begin_factors(lora_ru
     assert resumed.keys() == straight.keys()
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)
     expected = cfp_logs(straight_logs)[4:]  # steps 5 and 6
-    assert len(expected) == 2 and len(expected[-1]) == 6  # 5 drift metrics and the adapter residual
+    assert len(expected) == 2 and len(expected[-1]) == 9  # 7 drift metrics, the lam and the adapter residual
     assert cfp_logs(resumed_logs)[-2:] == expected
     assert expected[-1]["cfp/total_drift"] > 0.1 and expected[-1]["cfp/math/adapter_residual"] > 0
 

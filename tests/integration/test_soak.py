@@ -33,7 +33,7 @@ def test_least_squares_slope():
 def test_shortened_soak_memory_flat_metrics_finite_no_fd_leak():
     result = _soak_module().soak(steps=STEPS, warmup=STEPS // 2, every=1)
     assert result["finite"] and result["logs"] == STEPS
-    assert len(result["cfp_keys"]) == 7  # 3 anchors x (sensitive, free) + total
+    assert len(result["cfp_keys"]) == 11  # 3 anchors x (sensitive, free, predicted KL) + total + lam
     assert result["fd_growth"] <= 0, result
     assert sorted(result["rss"]) == list(range(1, STEPS + 1))  # one sample per step
     copy_kb = 1024 * result["delta_copy_mb"]

@@ -92,7 +92,7 @@ def test_gradient_accumulation_corrects_once_per_optimizer_step(tmp_path, monkey
     plain = train(copy.deepcopy(base), [], tmp_path / "plain", steps=4, gradient_accumulation_steps=2)
     # 8 micro-batches of 4 (two epochs of 16): 4 optimizer steps, 4 substeps
     assert (steps.steps, steps.substeps) == (4, 4)
-    assert counter.calls == [2.0, 4.0, 6.0, 8.0]  # once per optimizer step, with lam(global_step)
+    assert counter.calls == [[2.0], [4.0], [6.0], [8.0]]  # once per optimizer step, with lam(global_step)
     assert max_diff(ours, reference) <= 1e-6
     assert max_diff(ours, plain) > 1e-3
 
