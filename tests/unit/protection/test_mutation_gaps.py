@@ -270,6 +270,18 @@ def test_shard_sums_are_added_in_float64(monkeypatch):
     assert metrics == all_drifts_equal(expected)
 
 
+def test_budget_lams_count_replicated_sums_once_and_all_reduce_shard_sums(monkeypatch):
+    """F = 1 everywhere, so KL(lam) = K0 / (1 + lam)^2 with K0 = 0.5 (S_replicated + 2 S_shard) when a second
+    process holds equal shards: the solved lam lies between the roots of KL = B and KL = 0.99 B."""
+    calls = second_process_with_equal_shards(monkeypatch)
+    state = state_with_deltas([[1.0], [0.0, 2.0], [2.0]], sharded=[False, True, True])
+    k0 = 0.5 * (1 + 2 * 8)
+    budget = k0 / 9  # lam* = 2
+    (lam,) = state.budget_lams([budget])
+    assert calls and set(calls) == {torch.float64}
+    assert math.sqrt(k0 / budget) - 1 - 1e-9 <= lam <= math.sqrt(k0 / (0.99 * budget)) - 1 + 1e-9, lam
+
+
 def test_a_monitor_covering_only_frozen_parameters_measures_zero():
     """LoRA-style: the monitor's parameters are all frozen, so it binds nothing (threshold inf)."""
     model = ThreeParameters(2, 2, 1)
