@@ -49,7 +49,8 @@ class Strength:
         """lam_t of each protecting anchor for the optimizer step `step` just taken (at `learning_rate`)."""
         if self.kl_budget is not None:
             return protection.budget_lams(self.kl_budget)
-        lams = list(_per_anchor(self.lam(step) if callable(self.lam) else self.lam, self.num_anchors, "lam", False))
+        # a schedule's value is checked at each step; a constant was checked once, in from_arguments
+        lams = list(_per_anchor(self.lam(step), self.num_anchors, "lam", False) if callable(self.lam) else self.lam)
         if self.scale_with_lr:
             if learning_rate is None:
                 raise CFPArgumentError(

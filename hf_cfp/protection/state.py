@@ -64,7 +64,7 @@ class LiveTheta0:
 
 class _CorrectionGroup:
     """Protected parameters of one (device, dtype), with their local theta0, each protecting anchor's F on them
-    (None where it does not cover one), whether each is sharded, and the pull w cached per lams."""
+    (None where it does not cover one), and the pull w cached per lams."""
 
     def __init__(
         self, params: list[torch.Tensor], theta0: list[torch.Tensor], fishers: list[list[torch.Tensor | None]]
