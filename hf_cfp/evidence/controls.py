@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..integrations.strength import check_lam
-from ..ops import PullWeights, apply_correction
+from ..ops import proximal_pull_
 from ..parallel.deepspeed import uses_deepspeed
 from ..protection import bind_anchor, peft_view
 
@@ -50,7 +50,7 @@ class StepOnlyCallback(TrainerCallback):
     $$\theta_{t+1} = \theta_t + \frac{d_t}{1 + \lambda F}, \qquad d_t = \theta'_{t+1} - \theta_t$$
 
     with theta' the optimizer's proposal and F the anchor's diagonal Fisher; equivalently lerp(theta', theta_t, w),
-    w = lam F / (1 + lam F), the CFP correction (`hf_cfp.ops.apply_correction`) with theta_t in place of theta0.
+    w = lam F / (1 + lam F), the CFP correction (`hf_cfp.ops.proximal_pull_`) with theta_t in place of theta0.
     Under a constant proposal d the displacement grows linearly, t * d / (1 + lam F), where CFP's converges to
     d / (lam F): the contrast the paper draws. Coordinates with F = 0 (all of them when lam = 0) keep the
     optimizer's proposal exactly.
@@ -74,8 +74,8 @@ class StepOnlyCallback(TrainerCallback):
             raise CFPArgumentError(f"StepOnlyCallback needs a FisherAnchor, got {type(anchor).__name__}.")
         self.anchor = anchor
         self.lam = check_lam(lam)
-        # (params, theta_t, pull w) per (device, dtype) of the covered parameters; set at train begin
-        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], PullWeights]] | None = None
+        # (params, theta_t, F) per (device, dtype) of the covered parameters; set at train begin
+        self.groups: list[tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] | None = None
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -94,8 +94,7 @@ class StepOnlyCallback(TrainerCallback):
             params.append(bound.param)
             fisher.append(bound.fisher)
         self.groups = [
-            (params, [p.detach().float().clone() for p in params], PullWeights([[f] for f in fisher]))
-            for params, fisher in by_kind.values()
+            (params, [p.detach().float().clone() for p in params], fisher) for params, fisher in by_kind.values()
         ]
 
     def on_step_end(
@@ -104,8 +103,8 @@ class StepOnlyCallback(TrainerCallback):
         if self.groups is None:
             raise CFPError("StepOnlyCallback.on_step_end before on_train_begin: the anchor was never bound.")
         with torch.no_grad():
-            for params, previous, weights in self.groups:
-                apply_correction(params, previous, weights.at([self.lam]))
+            for params, previous, fisher in self.groups:
+                proximal_pull_(params, previous, [[f] for f in fisher], [self.lam])
                 torch._foreach_copy_(previous, params)
 
 

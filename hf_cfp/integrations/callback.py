@@ -13,7 +13,16 @@ from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, LiveTheta0, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from ..protection import (
+    CFPState,
+    LiveTheta0,
+    MemoryPlan,
+    SavedTheta0,
+    describe_sparse,
+    has_saved_theta0,
+    peft_view,
+    save_theta0,
+)
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
@@ -94,6 +103,17 @@ class CFPCallback(TrainerCallback):
         restart_path_on_resume (`bool`, *optional*, defaults to `False`):
             Resuming from a checkpoint that has no saved theta0 (saved without CFP) raises `CFPError`; `True`
             takes theta0 from the resumed weights instead, so the protected path starts again there.
+        fisher_dtype (`str`, *optional*, defaults to `"float32"`):
+            The dtype F is kept in on the training device: `"float32"`, or `"bfloat16"` (half the bytes; the
+            correction and the metrics still compute in float32). theta0 is kept in the parameters' own dtype.
+        sparse (`float`, *optional*):
+            Correct only the coordinates carrying the top `sparse` share of each protecting anchor's F (of its
+            coordinates, or of its mass with `sparse_by="mass"`); every other coordinate keeps the optimizer's
+            proposal. The full theta0 and F then live in CPU memory for the metrics, which stay exact. About
+            (4 + 2 + 4) x `sparse` bytes per parameter on the device; at train begin one log line reports the
+            mass kept and the largest F dropped. Not with `kl_budget` or DeepSpeed.
+        sparse_by (`str`, *optional*, defaults to `"coordinates"`):
+            What `sparse` is a share of: `"coordinates"` or `"mass"`.
         lora_rule (`str`, *optional*, defaults to `"proximal_b"`):
             How a LoRA-adapted weight is corrected (PEFT models only): `"proximal_b"`, the exact proximal step
             restricted to B (A fixed); `"least_squares_b"`, its unweighted fit; `"factor_space"`, elementwise CFP
@@ -127,6 +147,9 @@ class CFPCallback(TrainerCallback):
         recheck_every: int | None = None,
         recheck_prompts: Any = None,
         refresh_fisher: bool = False,
+        fisher_dtype: str = "float32",
+        sparse: float | None = None,
+        sparse_by: str = "coordinates",
     ):
         given = [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)
         if not given:
@@ -139,6 +162,9 @@ class CFPCallback(TrainerCallback):
         if len(set(names)) != len(names):
             raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
         self.strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(self.anchors))
+        self.memory = MemoryPlan(fisher_dtype, sparse, sparse_by)
+        if self.memory.sparse is not None and kl_budget is not None:
+            raise CFPArgumentError("kl_budget sums over every protected coordinate: use it without sparse.")
         self.recheck = AnchorRecheck(recheck_every, recheck_prompts, refresh_fisher, [a.name for a in self.anchors])
         if not 0 < free_fraction < 1:
             raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
@@ -208,6 +234,8 @@ class CFPCallback(TrainerCallback):
                     "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
                 )
             logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
+            if self.protection.sparse_report is not None:
+                logger.info(describe_sparse(self.protection.sparse_report, self.protection.protecting))
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -263,7 +291,14 @@ class CFPCallback(TrainerCallback):
 
     def _bind(self, model, anchors: Sequence[FisherAnchor], optimizer, theta0) -> CFPState:
         return CFPState(
-            model, anchors, self.monitors, self.free_fraction, optimizer, theta0=theta0, lora_rule=self.lora_rule
+            model,
+            anchors,
+            self.monitors,
+            self.free_fraction,
+            optimizer,
+            theta0=theta0,
+            lora_rule=self.lora_rule,
+            memory=self.memory,
         )
 
     def on_optimizer_step(

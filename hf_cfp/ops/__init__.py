@@ -4,18 +4,20 @@ Imports torch (and `errors`) only, so every other layer (parallel layouts, prote
 """
 
 from .budget import budget_terms, solve_budget
-from .correction import AnchorFishers, PullWeights, apply_correction, pull_strength
-from .drift import free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
+from .chunks import CHUNK_ELEMENTS, flat, spans
+from .correction import AnchorFishers, proximal_pull_, pull_strength
+from .drift import DriftView, drift_squares, free_threshold
 
 __all__ = [
+    "CHUNK_ELEMENTS",
     "AnchorFishers",
-    "PullWeights",
-    "apply_correction",
-    "free_drift_sq",
-    "free_threshold",
+    "DriftView",
     "budget_terms",
+    "drift_squares",
+    "flat",
+    "free_threshold",
+    "proximal_pull_",
     "pull_strength",
     "solve_budget",
-    "sensitive_drift_sq",
-    "total_drift_sq",
+    "spans",
 ]

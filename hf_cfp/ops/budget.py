@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
+from .chunks import CHUNK_ELEMENTS, spans
 from .correction import AnchorFishers, pull_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
@@ -32,22 +33,32 @@ Evaluate = Callable[[Sequence[float]], torch.Tensor]
 
 
 def budget_terms(
-    params: Sequence[torch.Tensor], theta0: Sequence[torch.Tensor], fishers: AnchorFishers, lams: Sequence[float]
+    params: Sequence[torch.Tensor],
+    theta0: Sequence[torch.Tensor],
+    fishers: AnchorFishers,
+    lams: Sequence[float],
+    chunk: int = CHUNK_ELEMENTS,
 ) -> torch.Tensor:
-    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K]) for the proposal D = params - theta0, one
-    tensor at a time (the temporaries are the size of one tensor). `fishers[i][k]` is anchor k's F on
-    `params[i]`, or None."""
+    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K]) for the proposal D = params - theta0, computed
+    in float32 a span of at most `chunk` elements at a time (the temporaries are a few chunks). `fishers[i][k]`
+    is anchor k's F on `params[i]`, or None."""
     terms = torch.zeros(2, len(lams), dtype=torch.float64)
     with torch.no_grad():
         for param, start, row in zip(params, theta0, fishers, strict=True):
-            strength = pull_strength(row, lams)
-            relief = strength.add_(1.0) if strength is not None else torch.ones_like(start)  # 1 + P
-            shrunk_sq = ((param.float() - start) / relief).square_()  # (D / (1 + P))^2
-            for k, fisher in enumerate(row):
-                if fisher is not None:
-                    weighted = fisher * shrunk_sq
-                    terms[0, k] += 0.5 * float(weighted.sum(dtype=torch.float64))
-                    terms[1, k] -= float((weighted * fisher / relief).sum(dtype=torch.float64))
+            param_flat, start_flat = param.reshape(-1), start.reshape(-1)
+            rows = [f.reshape(-1) if f is not None else None for f in row]
+            for span in spans(param_flat.numel(), chunk):
+                pieces = [f[span] if f is not None else None for f in rows]
+                strength = pull_strength(pieces, lams)
+                if strength is None:
+                    continue
+                relief = strength.add_(1.0)  # 1 + P
+                shrunk_sq = ((param_flat[span].float() - start_flat[span]) / relief).square_()  # (D / (1 + P))^2
+                for k, fisher in enumerate(pieces):
+                    if fisher is not None:
+                        weighted = shrunk_sq * fisher
+                        terms[0, k] += 0.5 * float(weighted.sum(dtype=torch.float64))
+                        terms[1, k] -= float(weighted.mul_(fisher).div_(relief).sum(dtype=torch.float64))
     return terms
 
 

@@ -5,37 +5,61 @@
                      the k-th smallest F with k = ceil(free_fraction * n), fixed once at bind
     total drift      ||Delta||
 
-Functions return squared sums so that sharded callers can add them across ranks first.
+`drift_squares` returns squared sums so that sharded callers can add them across ranks first.
 """
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-
-def _sum_of_squares(tensors: Sequence[torch.Tensor]) -> float:
-    if not tensors:
-        return 0.0
-    norms = torch._foreach_norm(list(tensors))
-    return float(torch.stack([n.double().cpu() for n in norms]).square().sum())
+from .chunks import CHUNK_ELEMENTS, spans
 
 
-def total_drift_sq(deltas: Sequence[torch.Tensor]) -> float:
-    """sum_i Delta_i^2."""
-    return _sum_of_squares(deltas)
+class DriftView(NamedTuple):
+    """One anchor's view of the tensors: its F on each (None where it does not cover one), and its free-drift
+    threshold."""
+
+    fishers: Sequence[torch.Tensor | None]
+    threshold: float
 
 
-def sensitive_drift_sq(deltas: Sequence[torch.Tensor], fisher: Sequence[torch.Tensor]) -> float:
-    """sum_i F_i Delta_i^2 (0 over no tensors)."""
-    if not deltas:
-        return 0.0
-    return _sum_of_squares(torch._foreach_mul(list(deltas), torch._foreach_sqrt(list(fisher))))
+def drift_squares(
+    params: Sequence[torch.Tensor],
+    theta0: Sequence[torch.Tensor | None],
+    views: Sequence[DriftView],
+    chunk: int = CHUNK_ELEMENTS,
+) -> torch.Tensor:
+    """float64 [1 + 2 V] on the CPU: sum_i Delta_i^2, then per view v, sum_i F_i Delta_i^2 and the sum of
+    Delta_i^2 over its coordinates with F_i <= threshold, Delta = params - theta0, both sums of a view running
+    over the tensors it covers (a None theta0 is 0: Delta = params).
 
-
-def free_drift_sq(deltas: Sequence[torch.Tensor], fisher: Sequence[torch.Tensor], threshold: float) -> float:
-    """sum of Delta_i^2 over coordinates with F_i <= threshold."""
-    return _sum_of_squares([torch.where(f <= threshold, d, 0.0) for d, f in zip(deltas, fisher, strict=True)])
+    theta0 and F may live on another device than the parameter (offloaded to the CPU) and in any floating
+    dtype: each span of at most `chunk` elements is moved to the parameter's device and computed in float32,
+    so the temporaries are a few chunks, never the model. The sums are accumulated in float64 per device.
+    """
+    if any(len(view.fishers) != len(params) for view in views):
+        raise ValueError(f"drift_squares: every view needs one F (or None) per tensor, {len(params)} tensors.")
+    sums: dict[torch.device, torch.Tensor] = {}
+    with torch.no_grad():
+        for i, (param, start) in enumerate(zip(params, theta0, strict=True)):
+            device = param.device
+            acc = sums.setdefault(device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=device))
+            param_flat = param.reshape(-1)
+            start_flat = start.reshape(-1) if start is not None else None
+            covering = [(v, f.reshape(-1)) for v, view in enumerate(views) if (f := view.fishers[i]) is not None]
+            for span in spans(param_flat.numel(), chunk):
+                delta = param_flat[span].float()
+                if start_flat is not None:
+                    delta = delta - start_flat[span].to(device, non_blocking=True)
+                square = delta.square()
+                acc[0] += square.sum(dtype=torch.float64)
+                for v, fisher in covering:
+                    f = fisher[span].to(device, non_blocking=True)
+                    acc[1 + 2 * v] += torch.mul(square, f).sum(dtype=torch.float64)
+                    acc[2 + 2 * v] += square.where(f <= views[v].threshold, 0.0).sum(dtype=torch.float64)
+    return sum((acc.cpu() for acc in sums.values()), torch.zeros(1 + 2 * len(views), dtype=torch.float64))
 
 
 def free_threshold(fisher: Sequence[torch.Tensor], free_fraction: float) -> float:

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CFPError
-from ..ops import PullWeights, apply_correction
+from ..ops import proximal_pull_
 from .fsdp1 import FlatPiece
 
 
@@ -95,7 +95,7 @@ class MasterCorrection:
         self.followed = [p for p in followed if _lp_fragment(p) is not None]
         self.fragments: list[torch.Tensor] = []
         self.theta0: list[torch.Tensor] = []
-        fisher_fragments: list[list[torch.Tensor | None]] = []
+        self.fishers: list[list[torch.Tensor | None]] = []
         for param, t0, row in zip(params, theta0, fishers, strict=True):
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:  # this process owns no part of the parameter
@@ -105,16 +105,10 @@ class MasterCorrection:
                 continue
             device = mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
             self.fragments.append(param)
-            self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True))
-            fisher_fragments.append(
-                [
-                    f.reshape(-1)[start : start + numel].to(device, torch.float32, copy=True)
-                    if f is not None
-                    else None
-                    for f in row
-                ]
+            self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, copy=True))
+            self.fishers.append(
+                [f.reshape(-1)[start : start + numel].to(device, copy=True) if f is not None else None for f in row]
             )
-        self.weights = PullWeights(fisher_fragments)
 
     @torch.no_grad()
     def carry(self, correct_followed: Callable[[], None]) -> None:
@@ -136,12 +130,7 @@ class MasterCorrection:
             return
         # Resolved at each use: the fragment is a view into the current fp32 partition.
         hp = [p._hp_mapping.get_hp_fragment() for p in self.fragments]
-        by_device: dict[torch.device, tuple[list, list, list]] = {}
-        for item in zip(hp, self.theta0, self.weights.at(lams), strict=True):
-            for target, value in zip(by_device.setdefault(item[0].device, ([], [], [])), item, strict=True):
-                target.append(value)
-        for h, t0, w in by_device.values():
-            apply_correction(h, t0, w)
+        proximal_pull_(hp, self.theta0, self.fishers, lams)
 
 
 class Zero3MasterCorrection:
@@ -152,7 +141,7 @@ class Zero3MasterCorrection:
         self.optimizer = optimizer
         self.params = list(params)
         self.theta0 = list(theta0)
-        self.weights = PullWeights(fishers)
+        self.fishers = [list(row) for row in fishers]
         self.persisted = [p for p in model.parameters() if getattr(p, "ds_persist", False)]
 
     def carry(self, correct_followed: Callable[[], None]) -> None:
@@ -162,11 +151,12 @@ class Zero3MasterCorrection:
 
     @torch.no_grad()
     def correct(self, lams: list[float]) -> None:
-        for param, t0, w in zip(self.params, self.theta0, self.weights.at(lams), strict=True):
+        for param, t0, row in zip(self.params, self.theta0, self.fishers, strict=True):
             if t0.numel():
                 # A view into the partition, or a copy on the accelerator when it is offloaded: set it back.
                 hp = self.optimizer.get_local_fp32_param(param)
-                apply_correction([hp.view(-1)[: t0.numel()]], [t0.to(hp.device)], [w.to(hp.device)])
+                on_hp = [f.to(hp.device) if f is not None else None for f in row]
+                proximal_pull_([hp.view(-1)[: t0.numel()]], [t0.to(hp.device)], [on_hp], lams)
                 self.optimizer.set_local_hp_param(hp, param)
         if self.persisted:  # their gathered copies predate the correction: release and gather them again
             self.persisted[0].partition(self.persisted)

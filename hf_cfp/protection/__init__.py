@@ -6,15 +6,20 @@ Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom 
 
 from .binding import BoundTensor, bind_anchor
 from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
+from .memory import MemoryPlan
 from .peft_adapters import peft_view
+from .sparse import SparseReport, describe_sparse
 from .state import CFPState, LiveTheta0
 
 __all__ = [
     "BoundTensor",
     "CFPState",
     "LiveTheta0",
+    "MemoryPlan",
     "SavedTheta0",
+    "SparseReport",
     "bind_anchor",
+    "describe_sparse",
     "has_saved_theta0",
     "peft_view",
     "save_theta0",

@@ -6,6 +6,7 @@ of F at the same offsets, and corrects and measures that piece alone.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,18 +37,27 @@ class BoundTensor:
 
     name: str
     param: torch.Tensor  # a Parameter, or a view into an FSDP1 flat shard
-    fisher: torch.Tensor  # float32, on the parameter's device; for a sharded parameter, its local part only
+    fisher: torch.Tensor  # as `store` keeps it (default float32 on the parameter's device); sharded: the local part
     sharded: bool  # split across processes: sums over it are added across processes
     held: HeldRange  # which elements of the full parameter this process holds
 
 
+def float32_beside(fisher: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """F in float32 on the parameter's device (the default `store` of `bind_anchor`)."""
+    return fisher.to(device=param.device, dtype=torch.float32)
+
+
 def bind_anchor(
-    anchor: FisherAnchor, model: torch.nn.Module, names: dict[str, torch.Tensor] | None = None
+    anchor: FisherAnchor,
+    model: torch.nn.Module,
+    names: dict[str, torch.Tensor] | None = None,
+    store: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = float32_beside,
 ) -> list[BoundTensor]:
     """Match every tensor of `anchor.fisher` to a parameter of `model` by canonical name.
 
     `names` adds names -> parameters the model does not give itself: a PeftModel's base-model names
-    (`peft_adapters.PeftView.params`), which take precedence.
+    (`peft_adapters.PeftView.params`), which take precedence. `store(F, param)` returns F as kept (dtype and
+    device, `memory.MemoryPlan.store_fisher`).
 
     Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs (a weight
     quantized by bitsandbytes, frozen under QLoRA, is compared by its logical shape: `quantized`).
@@ -94,8 +104,7 @@ def bind_anchor(
                 fisher, sharded = dtensor_local_fisher(name, fisher, param)
             else:
                 held, sharded = HeldRange(0, numel, numel), False
-            local_fisher = fisher.to(device=param.device, dtype=torch.float32)
-            bound.append(BoundTensor(name, param, local_fisher, sharded, held))
+            bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
     if frozen:
         logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])
     return bound

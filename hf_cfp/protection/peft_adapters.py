@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
-from ..ops import free_drift_sq, sensitive_drift_sq, total_drift_sq
+from ..ops import DriftView, drift_squares
 from ..ops.lora_correction import LoraFactors
 
 
@@ -229,13 +229,9 @@ def adapted_drift_sq(
     `cfp/<anchor>/sensitive_drift`: sum F Delta_W^2, `cfp/<anchor>/free_drift`: sum of Delta_W^2 where
     F <= threshold, and `cfp/total_drift`: sum Delta_W^2 (each weight once), all squared.
     """
-    sums = {f"cfp/{name}/{kind}": 0.0 for name in covered for kind in ("sensitive_drift", "free_drift")}
-    sums["cfp/total_drift"] = 0.0
+    keys = ["cfp/total_drift"] + [f"cfp/{n}/{m}" for n in covered for m in ("sensitive_drift", "free_drift")]
+    sums = torch.zeros(len(keys), dtype=torch.float64)
     for i, weight in enumerate(adapted):
-        delta = [weight.displacement()]
-        sums["cfp/total_drift"] += total_drift_sq(delta)
-        for name, (fishers, threshold) in covered.items():
-            if i in fishers:
-                sums[f"cfp/{name}/sensitive_drift"] += sensitive_drift_sq(delta, [fishers[i]])
-                sums[f"cfp/{name}/free_drift"] += free_drift_sq(delta, [fishers[i]], threshold)
-    return sums
+        views = [DriftView([fishers.get(i)], threshold) for fishers, threshold in covered.values()]
+        sums += drift_squares([weight.displacement()], [None], views)
+    return dict(zip(keys, sums.tolist(), strict=True))

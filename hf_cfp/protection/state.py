@@ -5,7 +5,6 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 """
 
 import math
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -13,22 +12,14 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, CFPError
-from ..ops import (
-    PullWeights,
-    apply_correction,
-    budget_terms,
-    free_drift_sq,
-    free_threshold,
-    pull_strength,
-    sensitive_drift_sq,
-    solve_budget,
-    total_drift_sq,
-)
+from ..ops import DriftView, budget_terms, drift_squares, free_threshold, proximal_pull_, pull_strength, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
 from .binding import BoundTensor, HeldRange, bind_anchor
+from .memory import MemoryPlan
 from .peft_adapters import AdaptedWeight, adapted_drift_sq, peft_view
+from .sparse import SparseCorrection, SparseReport, coordinate_threshold, mass_threshold, sparse_report
 
 
 class Theta0Reader(Protocol):
@@ -62,19 +53,19 @@ class LiveTheta0:
             weight.snapshot = self.snapshots[weight.name]
 
 
-class _CorrectionGroup:
-    """Protected parameters of one (device, dtype), with their local theta0, each protecting anchor's F on them
-    (None where it does not cover one), and the pull w cached per lams."""
+class _Strengths(Sequence[torch.Tensor]):
+    """P = sum_k lam_k F_k of each protected tensor, computed when read (never all held at once)."""
 
-    def __init__(
-        self, params: list[torch.Tensor], theta0: list[torch.Tensor], fishers: list[list[torch.Tensor | None]]
-    ):
-        self.params = params
-        self.theta0 = theta0
-        self.weights = PullWeights(fishers)
+    def __init__(self, rows: list[list[torch.Tensor | None]], lams: Sequence[float]):
+        self.rows, self.lams = rows, lams
 
-    def correct(self, lams: list[float]) -> None:
-        apply_correction([local_tensor(p) for p in self.params], self.theta0, self.weights.at(lams))
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        strength = pull_strength(self.rows[i], self.lams)
+        assert strength is not None  # every protected row has some F
+        return strength
 
 
 class CFPState:
@@ -104,16 +95,20 @@ class CFPState:
         optimizer: torch.optim.Optimizer | None = None,
         theta0: "Theta0Reader | None" = None,
         lora_rule: str = "proximal_b",
+        memory: MemoryPlan | None = None,
     ):
         protecting = [anchor] if isinstance(anchor, FisherAnchor) else list(anchor)
         if not protecting:
             raise CFPArgumentError("CFPState needs at least one protecting anchor.")
         self.model = model
+        self.memory = memory or MemoryPlan()
         self.protecting = [a.name for a in protecting]
         self.lams = [0.0] * len(protecting)  # of the last correction
         anchors = (*protecting, *monitors)
         view = peft_view(model)
-        bound = {a.name: bind_anchor(a, model, view.params if view else None) for a in anchors}
+        bound = {
+            a.name: bind_anchor(a, model, view.params if view else None, self.memory.store_fisher) for a in anchors
+        }
         self.adapted, adapted_fisher = _bind_adapted(view.adapted if view else {}, anchors)
         if self.adapted and theta0 is not None:
             theta0.restore_lora(self.adapted)  # the origin of the measured path: the factors at train begin
@@ -122,22 +117,19 @@ class CFPState:
             [self.adapted[i] for i in adapted_rows], list(adapted_rows.values()), lora_rule
         )
         self._gather_params(bound)
-        self.theta0 = [local_tensor(p).detach().float().clone() for p in self.params]
-        if theta0 is not None:
-            saved = theta0.read(list(zip(self.names, self.held, strict=True)))
-            for name, local in zip(self.names, self.theta0, strict=True):
-                local.copy_(saved[name].reshape(local.shape))
-        self._measure_views(bound, adapted_fisher, {a.name: a.fisher for a in anchors}, free_fraction)
+        saved = theta0.read(list(zip(self.names, self.held, strict=True))) if theta0 is not None else {}
+        self.theta0 = [
+            self.memory.snapshot(local_tensor(p), saved.get(n)) for p, n in zip(self.params, self.names, strict=True)
+        ]
+        full_fisher = {a.name: a.fisher for a in anchors}
+        self._measure_views(bound, adapted_fisher, full_fisher, free_fraction)
         fisher_of = {name: {self.index[id(t.param)]: t.fisher for t in tensors} for name, tensors in bound.items()}
         protected = _rows(range(len(self.params)), self.protecting, fisher_of)  # param index -> row of F
-        groups: defaultdict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
-        for i, row in protected.items():
-            group_params, group_theta0, group_fishers = groups[(self.params[i].device, self.params[i].dtype)]
-            group_params.append(self.params[i])
-            group_theta0.append(self.theta0[i])
-            group_fishers.append(row)
-        self.groups = [_CorrectionGroup(*g) for g in groups.values()]
-        self.protected = list(protected.items())  # (param index, row of F): what a KL budget sums over
+        self.protected = list(protected.items())  # (param index, row of F): what is corrected
+        self.sparse: SparseCorrection | None = None
+        self.sparse_report: SparseReport | None = None
+        if self.memory.sparse is not None:
+            self._keep_sparse({a.name: bound[a.name] for a in protecting}, full_fisher)
         # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
         self.master = master_correction(
             model,
@@ -146,6 +138,23 @@ class CFPState:
             [self.theta0[i] for i in protected],
             list(protected.values()),
             followed=_factor_params(self.adapters),
+        )
+        if self.master is not None and self.sparse is not None:
+            raise CFPArgumentError("sparse is not supported under DeepSpeed ZeRO yet: use a dense memory plan.")
+
+    def _keep_sparse(self, bound: dict[str, list[BoundTensor]], full_fisher: dict[str, dict]) -> None:
+        """`sparse` and `sparse_report`: each protecting anchor's threshold over its full F on the trainable
+        parameters (the same on every process), and the kept coordinates of this process's protected tensors."""
+        pick = coordinate_threshold if self.memory.sparse_by == "coordinates" else mass_threshold
+        share = float(self.memory.sparse)  # type: ignore[arg-type]
+        thresholds = [pick([full_fisher[name][t.name] for t in tensors], share) for name, tensors in bound.items()]
+        full_rows = [[full_fisher[a].get(self.names[i]) for a in self.protecting] for i, _ in self.protected]
+        self.sparse_report = sparse_report(full_rows, thresholds)
+        self.sparse = SparseCorrection(
+            [local_tensor(self.params[i]) for i, _ in self.protected],
+            [self.theta0[i] for i, _ in self.protected],
+            [row for _, row in self.protected],
+            thresholds,
         )
 
     def _gather_params(self, bound: dict[str, list[BoundTensor]]) -> None:
@@ -205,18 +214,33 @@ class CFPState:
             self.master.carry(lambda: self.adapters.correct(self.lams, measure_residual))
         else:
             self.adapters.correct(self.lams, measure_residual)
-        for group in self.groups:
-            group.correct(self.lams)
+        params = [local_tensor(self.params[i]) for i, _ in self.protected]
+        if self.sparse is not None:
+            self.sparse.correct(params, self.lams)
+        else:
+            theta0 = [self.theta0[i] for i, _ in self.protected]
+            proximal_pull_(params, theta0, [row for _, row in self.protected], self.lams)
         if self.master is not None:
             self.master.correct(self.lams)
 
+    def footprint(self) -> tuple[int, int]:
+        """(bytes CFP keeps beside the parameters, bytes it keeps offloaded to CPU memory) for the full-parameter
+        coordinates: theta0 and every anchor's F, and in sparse mode the kept indices, theta0 and F (LoRA
+        snapshots and DeepSpeed master fragments not counted). Each storage is counted once."""
+        full = [*self.theta0, *(f for _, fishers, _ in self.views.values() for f in fishers)]
+        kept = [t for part in (self.sparse.indices, self.sparse.theta0) for t in part] if self.sparse else []
+        kept += [f for row in self.sparse.rows for f in row if f is not None] if self.sparse else []
+        full_bytes, kept_bytes = (
+            sum({t.untyped_storage().data_ptr(): t.nbytes for t in ts}.values()) for ts in (full, kept)
+        )
+        return (kept_bytes, full_bytes) if self.memory.offloaded else (full_bytes, 0)
+
     def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
         """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th and
-        the 99.9th percentile of P) over the full-parameter correction groups (LoRA-adapted weights not counted)."""
-        strengths = [
-            s for group in self.groups for row in group.weights.fishers if (s := pull_strength(row, lams)) is not None
-        ]
-        count = sum(s.numel() for s in strengths)
+        the 99.9th percentile of P) over the full-parameter protected tensors (LoRA-adapted weights not counted).
+        P is computed a tensor at a time."""
+        strengths = _Strengths([row for _, row in self.protected], lams)
+        count = sum(next(f for f in row if f is not None).numel() for _, row in self.protected)
         if count == 0:
             return 0, 0.0, 0.0, 0.0
         halved = sum(int((s > 1).sum()) for s in strengths) / count
@@ -227,7 +251,9 @@ class CFPState:
         displacement of the optimizer's proposal now in the parameters, within its budget (nats) and pull no
         harder (`ops.budget`), warm-started from the last lams. Every process gets the same lams (the sums over
         sharded parameters are all-reduced: one collective per evaluation). LoRA-adapted weights are not covered:
-        the adapters can represent the target only in part (`kl_budget` refuses them at bind)."""
+        the adapters can represent the target only in part (`kl_budget` refuses them at bind). Dense plans only."""
+        if self.sparse is not None:
+            raise CFPArgumentError("kl_budget needs a dense memory plan (sparse=None): it sums over every coordinate.")
         parts = [
             [(self.params[i], self.theta0[i], row) for i, row in self.protected if self.sharded[i] == s]
             for s in (False, True)
@@ -257,29 +283,23 @@ class CFPState:
         Every process returns the same, global values; with sharded parameters every process must
         call this (one collective). Builds no autograd graph: every input is detached.
         """
-        current = [local_tensor(p).detach().float() for p in self.params]
-        deltas = torch._foreach_sub(current, self.theta0) if current else []  # none: a LoRA run's adapters only
-        squares: defaultdict[str, list[float]] = defaultdict(list)  # metric -> [S replicated, S of local shards]
-        for sharded in (False, True):
-            for name, (indices, fisher, threshold) in self.views.items():
-                part = [(deltas[i], f) for i, f in zip(indices, fisher, strict=True) if self.sharded[i] == sharded]
-                mine, mine_fisher = [d for d, _ in part], [f for _, f in part]
-                squares[f"cfp/{name}/sensitive_drift"].append(sensitive_drift_sq(mine, mine_fisher))
-                squares[f"cfp/{name}/free_drift"].append(free_drift_sq(mine, mine_fisher, threshold))
-            squares["cfp/total_drift"].append(
-                total_drift_sq([d for d, s in zip(deltas, self.sharded, strict=True) if s == sharded])
-            )
+        keys = ["cfp/total_drift"] + [f"cfp/{n}/{m}" for n in self.views for m in ("sensitive_drift", "free_drift")]
+        fisher_at = {name: dict(zip(view[0], view[1], strict=True)) for name, view in self.views.items()}
+        sums = []
+        for sharded in (False, True):  # replicated tensors count once; shards are summed across processes
+            chosen = [i for i, s in enumerate(self.sharded) if s == sharded]
+            views = [DriftView([fisher_at[n].get(i) for i in chosen], view[2]) for n, view in self.views.items()]
+            params = [local_tensor(self.params[i]).detach() for i in chosen]
+            sums.append(drift_squares(params, [self.theta0[i] for i in chosen], views))
+        replicated, shard_sums = sums
         if self.adapted:  # LoRA-adapted weights (not sharded): replicated sums
             for key, value in adapted_drift_sq(self.adapted, self.adapted_views).items():
-                squares[key][0] += value
-        shard_sums = torch.tensor([s for _, s in squares.values()], dtype=torch.float64)
+                replicated[keys.index(key)] += value
         if any(self.sharded):
-            shard_sums = shard_sums.to(self.theta0[self.sharded.index(True)].device)
+            shard_sums = shard_sums.to(local_tensor(self.params[self.sharded.index(True)]).device)
             all_reduce_sum_([shard_sums])
-        metrics = {
-            key: math.sqrt(replicated + float(shards))
-            for (key, (replicated, _)), shards in zip(squares.items(), shard_sums, strict=True)
-        }
+        totals = (replicated + shard_sums.cpu()).tolist()
+        metrics = {key: math.sqrt(value) for key, value in zip(keys, totals, strict=True)}
         for name in self.views:  # KL(mu_0 || mu_theta) ~ 0.5 Delta^T F Delta on the anchor's calibration prompts
             metrics[f"cfp/{name}/predicted_kl"] = 0.5 * metrics[f"cfp/{name}/sensitive_drift"] ** 2
         for name, lam in zip(self.protecting, self.lams, strict=True):

@@ -1,7 +1,7 @@
 """The drift metrics' tensor math (hf_cfp/ops/drift.py) against values computed by hand.
 
 Every delta and Fisher value below is a small dyadic number, so each expected sum is exact; the
-functions take float32 norms of the tensors and square them in float64, hence `rel=1e-6`. The
+sums are accumulated in float64 from float32 squares, hence `rel=1e-6`. The
 free-drift cases are chosen so that the coordinate(s) exactly at the threshold carry a large part
 of the sum: counting them as not free (`F < threshold`) changes the result by 25% or more.
 """
@@ -13,10 +13,23 @@ import torch
 from torch import nn
 
 from hf_cfp import FisherAnchor
-from hf_cfp.ops import free_drift_sq, free_threshold, sensitive_drift_sq, total_drift_sq
+from hf_cfp.ops import DriftView, drift_squares, free_threshold
 from hf_cfp.protection import CFPState
 
 REL = 1e-6
+
+
+def total_drift_sq(deltas):
+    return float(drift_squares(deltas, [None] * len(deltas), [])[0])
+
+
+def sensitive_drift_sq(deltas, fisher):
+    return float(drift_squares(deltas, [None] * len(deltas), [DriftView(fisher, -1.0)])[1])
+
+
+def free_drift_sq(deltas, fisher, threshold):
+    return float(drift_squares(deltas, [None] * len(deltas), [DriftView(fisher, threshold)])[2])
+
 
 # Two tensors, n = 8 coordinates. Sorted F: 0, 0.25, 0.5, 1, 2, 2, 4, 8 (a tie at 2).
 DELTAS = [torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([[4.0, -1.0], [2.0, 0.25]])]
@@ -151,3 +164,29 @@ def test_cfp_state_metrics_with_a_bf16_stored_anchor(tmp_path):
     assert metrics["cfp/math/free_drift"] == pytest.approx(math.sqrt(25.0), rel=1e-6)
     assert metrics["cfp/math/sensitive_drift"] == pytest.approx(math.sqrt(sensitive), rel=1e-6)
     assert metrics["cfp/total_drift"] == pytest.approx(math.sqrt(39.25), rel=1e-6)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4096])
+def test_drift_squares_against_a_float64_loop(chunk):
+    """Random parameters and theta0 in bf16 (theta0 as CFPState keeps it for a bf16 model), two views of which
+    one covers only the first tensor, F in bf16 and float32: every sum against a float64 loop over coordinates,
+    whatever the chunk size (spans cut tensors of 12 and 7 elements into pieces)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(3, 4, generator=g).bfloat16(), torch.randn(7, generator=g).bfloat16()]
+    theta0 = [(p.float() + 0.1 * torch.randn(p.shape, generator=g)).bfloat16() for p in params]
+    fisher_a = [torch.rand(3, 4, generator=g), torch.rand(7, generator=g).bfloat16()]
+    fisher_b = [torch.rand(3, 4, generator=g), None]
+    views = [DriftView(fisher_a, 0.5), DriftView(fisher_b, 0.25)]
+    got = drift_squares(params, theta0, views, chunk=chunk).tolist()
+
+    deltas = [(p.double() - t.double()).reshape(-1) for p, t in zip(params, theta0, strict=True)]
+    expected = [sum(float(d.square().sum()) for d in deltas)]
+    for view in views:
+        sensitive = free = 0.0
+        for d, f in zip(deltas, view.fishers, strict=True):
+            if f is not None:
+                for di, fi in zip(d.tolist(), f.double().reshape(-1).tolist(), strict=True):
+                    sensitive += fi * di * di
+                    free += di * di if fi <= view.threshold else 0.0
+        expected += [sensitive, free]
+    assert got == pytest.approx(expected, rel=1e-6)

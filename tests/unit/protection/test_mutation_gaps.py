@@ -39,7 +39,7 @@ import hf_cfp.protection.state as state_module
 from hf_cfp import CFPError, FisherAnchor
 from hf_cfp.fisher.per_sequence_grads import Use, accumulate
 from hf_cfp.fisher.scoring import add_squared_score
-from hf_cfp.ops import free_drift_sq
+from hf_cfp.ops import DriftView, drift_squares
 from hf_cfp.protection import CFPState, SavedTheta0, has_saved_theta0, save_theta0
 from hf_cfp.protection.binding import HeldRange
 
@@ -303,10 +303,10 @@ def test_a_monitor_covering_only_frozen_parameters_measures_zero():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_free_drift_refuses_deltas_and_fisher_of_different_lengths():
+def test_drift_squares_refuses_a_view_with_fewer_fishers_than_tensors():
     deltas = [torch.tensor([1.0, 2.0]), torch.tensor([3.0])]
-    with pytest.raises(ValueError):
-        free_drift_sq(deltas, [torch.tensor([0.0, 0.0])], threshold=1.0)  # would silently drop the 2nd tensor
+    with pytest.raises(ValueError, match="one F"):  # would silently drop the 2nd tensor
+        drift_squares(deltas, [None, None], [DriftView([torch.tensor([0.0, 0.0])], threshold=1.0)])
 
 
 # ---------------------------------------------------------------------------------------------
