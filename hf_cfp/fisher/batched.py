@@ -64,6 +64,7 @@ def add_batched_squared_scores(
     sampler: Sampler,
     pad_id: int = 0,
     max_chunk_elements: int = 2**26,
+    supports: list[torch.Tensor | None] | None = None,
 ) -> None:
     """accumulators[i] += sum_b (d/dparams[i] log mu(y_b | x_b))^2, exactly, for B sequences in one
     batched forward and backward, where log mu(y|x) = sum_t sampler.log_probs(logits_t)[y_t] over the
@@ -82,6 +83,9 @@ def add_batched_squared_scores(
         pad_id: token id written into padding positions (they are masked out of the score).
         max_chunk_elements: sequences are processed in chunks so that one chunk's per-sequence
             gradient of a parameter has at most this many elements (at least one sequence).
+        supports: the support of mu each response token was drawn from, packed, one entry per
+            response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
+            A response token of probability 0 under mu raises CFPArgumentError.
     """
     if len(params) != len(accumulators):
         raise CFPArgumentError(f"Got {len(params)} params but {len(accumulators)} accumulators; give one each.")
@@ -92,7 +96,7 @@ def add_batched_squared_scores(
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
-    batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device)
+    batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device, supports)
     owners, fallback = _find_owners(model, params, live)
 
     tracer = _Tracer(owners)
@@ -127,11 +131,11 @@ def add_batched_squared_scores(
 
     if fallback:  # the plain, exact loop, for the parameters the hooks cannot handle
         fb = sorted(fallback)
-        for prompt, response in zip(prompts, responses, strict=True):
+        for prompt, response, support in zip(prompts, responses, supports or [None] * len(prompts), strict=True):
             add_squared_score(
                 [accumulators[i] for i in fb],
                 [params[i] for i in fb],
-                sequence_log_prob(model, prompt, response, sampler),
+                sequence_log_prob(model, prompt, response, sampler, support),
             )
 
 
