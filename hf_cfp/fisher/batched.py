@@ -26,7 +26,13 @@ Anything else falls back to the exact per-sequence loop (`scoring.sequence_log_p
 `scoring.add_squared_score`) for those parameters only, with one log line naming them:
 parameters of unknown modules, parameters used outside their module (detected by counting
 the parameter's uses in the autograd graph), and calls whose activations were modified in
-place or whose leading dimension is not the batch.
+place or are not laid out like the input ids.
+
+Per-sequence attribution follows the (batch, time) layout of ``input_ids``, shape (B, T): a call
+is used only if its input and output lead with exactly (B, T) (its token ids *are* (B, T) for an
+embedding), so that row (b, t) holds position t of sequence b. A leading size that merely equals
+B is no evidence: an MoE expert called on gathered tokens, ``expert(hidden.view(-1, H)[idx])``,
+gets (n, H) with rows from any sequences, and n = B happens.
 """
 
 import logging
@@ -58,6 +64,7 @@ def add_batched_squared_scores(
     sampler: Sampler,
     pad_id: int = 0,
     max_chunk_elements: int = 2**26,
+    supports: list[torch.Tensor | None] | None = None,
 ) -> None:
     """accumulators[i] += sum_b (d/dparams[i] log mu(y_b | x_b))^2, exactly, for B sequences in one
     batched forward and backward, where log mu(y|x) = sum_t sampler.log_probs(logits_t)[y_t] over the
@@ -76,6 +83,9 @@ def add_batched_squared_scores(
         pad_id: token id written into padding positions (they are masked out of the score).
         max_chunk_elements: sequences are processed in chunks so that one chunk's per-sequence
             gradient of a parameter has at most this many elements (at least one sequence).
+        supports: the support of mu each response token was drawn from, packed, one entry per
+            response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
+            A response token of probability 0 under mu raises CFPArgumentError.
     """
     if len(params) != len(accumulators):
         raise CFPArgumentError(f"Got {len(params)} params but {len(accumulators)} accumulators; give one each.")
@@ -86,7 +96,7 @@ def add_batched_squared_scores(
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
-    batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device)
+    batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device, supports)
     owners, fallback = _find_owners(model, params, live)
 
     tracer = _Tracer(owners)
@@ -100,7 +110,7 @@ def add_batched_squared_scores(
     del logits
 
     calls = [c for c in tracer.calls if isinstance(c.out, torch.Tensor) and c.out.requires_grad]
-    fallback |= _invalid_call_params(calls, owners, batch.size)
+    fallback |= _invalid_call_params(calls, owners, tuple(batch.ids.shape))
     fallback |= _params_used_elsewhere(total, calls, owners, params, live, fallback)
     _log_fallback(model, params, fallback)
 
@@ -121,11 +131,11 @@ def add_batched_squared_scores(
 
     if fallback:  # the plain, exact loop, for the parameters the hooks cannot handle
         fb = sorted(fallback)
-        for prompt, response in zip(prompts, responses, strict=True):
+        for prompt, response, support in zip(prompts, responses, supports or [None] * len(prompts), strict=True):
             add_squared_score(
                 [accumulators[i] for i in fb],
                 [params[i] for i in fb],
-                sequence_log_prob(model, prompt, response, sampler),
+                sequence_log_prob(model, prompt, response, sampler, support),
             )
 
 
@@ -202,9 +212,10 @@ def _versions(*tensors):
 # ----------------------------------------------------------------------------- fallback detection
 
 
-def _invalid_call_params(calls, owners, batch_size) -> set[int]:
-    """Params of modules with a call the formulas cannot use: the leading dimension is not the
-    batch, shapes do not match the kind, or the input / output was modified in place later."""
+def _invalid_call_params(calls, owners, layout: tuple[int, ...]) -> set[int]:
+    """Params of modules with a call the formulas cannot use: input or output not led by the
+    (batch, time) `layout` of the input ids (B, T) -- e.g. gathered tokens (n, H), even when n = B --,
+    shapes that do not match the kind, or an input / output modified in place later."""
     bad = set()
     for call in calls:
         kind, own = owners[call.module]
@@ -212,10 +223,9 @@ def _invalid_call_params(calls, owners, batch_size) -> set[int]:
         ok = (
             isinstance(x, torch.Tensor)
             and isinstance(out, torch.Tensor)
-            and x.dim() >= 1
-            and out.dim() >= 2
-            and x.shape[0] == batch_size
-            and out.shape[0] == batch_size
+            and tuple(x.shape[:2]) == layout
+            and tuple(out.shape[:2]) == layout
+            and out.dim() >= 3
             and _versions(x, out) == call.versions
         )
         if ok and kind in ("linear", "conv1d"):
@@ -277,8 +287,9 @@ def _log_fallback(model, params, fallback):
     if tuple(listed) not in logged:  # once per model and set of parameters, not once per batch
         logged.add(tuple(listed))
         logger.warning(
-            "Batched Fisher engine: %d parameter tensor(s) not covered by its module formulas use the "
-            "exact per-sequence loop instead (slower): %s",
+            "Batched Fisher engine: %d parameter tensor(s) not covered by its module formulas (unknown module, "
+            "used outside it, modified in place, or called on activations not laid out (batch, time) like "
+            "input_ids, e.g. gathered MoE tokens) use the exact per-sequence loop instead (slower): %s",
             len(listed),
             ", ".join(listed),
         )

@@ -16,7 +16,7 @@ from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
 from .batched import add_batched_squared_scores
 from .prompts import prompts_sha256, to_token_ids
-from .sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
+from .sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_with_supports
 from .scoring import add_squared_score, sequence_log_prob
 
 ESTIMATORS = ("sequence", "token", "empirical")
@@ -55,7 +55,8 @@ def estimate_fisher(
     the mean of per-sequence squared scores over response tokens only (the prompt is context,
     the response ends at its first EOS). mu is the sampler's own distribution: softmax(z/T),
     truncated to top-k / top-p and renormalized, so the score is centered under the sampler
-    (mu = pi at temperature 1 without truncation).
+    (mu = pi at temperature 1 without truncation). Each token is scored on the support it was
+    drawn from, with the scoring forward's logits (`sampling`'s docstring says why).
 
     estimator="token": F_i = (1/N) sum_n sum_t ( d/dtheta_i log mu(y_n,t | x_n, y_n,<t) )^2 on
     the same samples. Cross-position terms vanish in expectation on-policy, so it has the same
@@ -141,16 +142,19 @@ def estimate_fisher(
                 indices = range(k * batch_size, min((k + 1) * batch_size, num_sequences))
                 batch = [prompt_ids[(n // num_samples_per_prompt) % len(prompt_ids)] for n in indices]
                 if labels is None:
-                    drawn = sample_responses(
+                    drawn, supports = sample_with_supports(
                         model, batch, sampler, max_new_tokens, eos_ids, pad_id, batch_generator(seed, k)
                     )
                 else:
                     drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
+                    supports = [None] * len(drawn)
                 cut = min(max(half - indices.start, 0), len(indices))  # batch[:cut] is in the first half
                 for accumulators, part in ((first, slice(0, cut)), (sums, slice(cut, None))):
-                    part_prompts, part_responses = batch[part], drawn[part]
+                    part_prompts, part_responses, part_supports = batch[part], drawn[part], supports[part]
                     if estimator == "token":
-                        part_prompts, part_responses = _one_token_samples(part_prompts, part_responses)
+                        part_prompts, part_responses, part_supports = _one_token_samples(
+                            part_prompts, part_responses, part_supports
+                        )
                     for start in range(0, len(part_prompts), batch_size):
                         score(
                             model,
@@ -160,6 +164,7 @@ def estimate_fisher(
                             part_responses[start : start + batch_size],
                             sampler,
                             pad_id,
+                            supports=part_supports[start : start + batch_size],
                         )
                 response_tokens += sum(len(r) for r in drawn)
                 progress.update(len(indices))
@@ -192,20 +197,25 @@ def estimate_fisher(
     return FisherAnchor(fisher, name=name, metadata=metadata)
 
 
-def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id) -> None:
-    """The plain reference: one forward and backward per sequence."""
-    for prompt, response in zip(prompts, responses, strict=True):
-        add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler))
+def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, supports) -> None:
+    """The plain reference: one forward and backward per sequence, each token scored on its support."""
+    for prompt, response, support in zip(prompts, responses, supports, strict=True):
+        add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler, support))
 
 
 _ENGINE_FUNCTIONS: dict[str, Callable[..., None]] = {"batched": add_batched_squared_scores, "loop": _loop_engine}
 
 
-def _one_token_samples(prompts, responses):
+def _one_token_samples(prompts, responses, supports):
     """The token estimator's samples: (x + y_<t, [y_t]) for every response position t, so that
-    sum over samples of squared scores = sum_n sum_t (d log mu(y_t | x, y_<t))^2."""
-    pairs = [(p + r[:t], [r[t]]) for p, r in zip(prompts, responses, strict=True) for t in range(len(r))]
-    return [p for p, _ in pairs], [r for _, r in pairs]
+    sum over samples of squared scores = sum_n sum_t (d log mu(y_t | x, y_<t))^2; each keeps the
+    support y_t was drawn from (row t of its response's supports, or None)."""
+    samples = [
+        (p + r[:t], [r[t]], None if s is None else s[t : t + 1])
+        for p, r, s in zip(prompts, responses, supports, strict=True)
+        for t in range(len(r))
+    ]
+    return [p for p, _, _ in samples], [r for _, r, _ in samples], [s for _, _, s in samples]
 
 
 def _labels(responses, tokenizer, num_prompts: int, estimator: str):

@@ -7,6 +7,19 @@ d/dtheta log mu(y|x) is centered under the distribution mu that drew y:
 
 (temperature, then top-k, then top-p, the order transformers applies them). With
 temperature 1 and no truncation mu is the model's own pi.
+
+The support S of a truncated mu is kept from sampling to scoring (`sample_with_supports`,
+`pack_support`). Scoring runs another forward (right-padded, no KV cache) whose logits differ from
+the sampling ones in the last bits; recomputing S from them can move a token across the k-th or
+nucleus boundary (bf16 on a GPU makes near-ties common), and a drawn token outside the recomputed
+S would get log mu = -inf and a finite, wrong score. The estimator needs the score of the
+distribution that drew y, so scoring uses the sampling-time S with the scoring-time logits:
+
+    log mu_S(y) = z_y / T - log sum_{a in S} exp(z_a / T),    y in S,
+
+differentiated with S held fixed -- the derivative of the truncated, renormalized distribution,
+since S is piecewise constant in theta. Raising an error instead would stop an estimation at
+every such near-tie; scoring against a recomputed S would be off-center even when y stays inside.
 """
 
 import hashlib
@@ -42,9 +55,20 @@ class Sampler:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise CFPArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}.")
 
-    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """log mu(a|s) over the last dimension; truncated tokens get -inf. Differentiable."""
+    @property
+    def truncates(self) -> bool:
+        """Whether mu is truncated (top-k or top-p), so that its support is not the whole vocabulary."""
+        return self.top_k is not None or self.top_p < 1.0
+
+    def log_probs(self, logits: torch.Tensor, support: torch.Tensor | None = None) -> torch.Tensor:
+        """log mu(a|s) over the last dimension; truncated tokens get -inf. Differentiable.
+
+        support: optional bool mask shaped like `logits`, True on the tokens mu may draw (the support
+        recorded when sampling, see the module docstring). Given, it replaces the top-k / top-p
+        truncation recomputed from `logits`: log mu_S(a) = z_a/T - logsumexp_{b in S} z_b/T."""
         scores = logits.float() / self.temperature
+        if support is not None:
+            return scores.masked_fill(~support, float("-inf")).log_softmax(dim=-1)
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
             scores = scores.masked_fill(scores < kth.detach(), float("-inf"))
@@ -58,6 +82,21 @@ class Sampler:
 
     def as_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
+
+_BIT_VALUES = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_support(mask: torch.Tensor) -> torch.Tensor:
+    """A bool mask (..., V) packed 8 tokens a byte, (..., ceil(V / 8)) uint8: bit j of byte i is mask[8 i + j]."""
+    bits = torch.nn.functional.pad(mask, (0, -mask.shape[-1] % 8)).unflatten(-1, (-1, 8)).to(torch.uint8)
+    return (bits * _BIT_VALUES.to(bits.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_support(packed: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The inverse of `pack_support`: (..., ceil(V / 8)) uint8 -> bool mask (..., V), V = vocab_size."""
+    bits = packed.unsqueeze(-1).bitwise_and(_BIT_VALUES.to(packed.device)) != 0
+    return bits.flatten(-2)[..., :vocab_size]
 
 
 def resolve_eos_ids(model, tokenizer, eos_token_id: int | list[int] | None = None) -> set[int]:
@@ -85,7 +124,6 @@ def batch_generator(seed: int, batch_index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-@torch.no_grad()
 def sample_responses(
     model,
     prompts: list[list[int]],
@@ -95,15 +133,34 @@ def sample_responses(
     pad_id: int,
     generator: torch.Generator,
 ) -> list[list[int]]:
-    """Draw one response per prompt from mu with a KV cache, prompts left-padded in one batch.
+    """Draw one response per prompt from mu: the responses of `sample_with_supports`."""
+    return sample_with_supports(model, prompts, sampler, max_new_tokens, eos_ids, pad_id, generator)[0]
+
+
+@torch.no_grad()
+def sample_with_supports(
+    model,
+    prompts: list[list[int]],
+    sampler: Sampler,
+    max_new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    generator: torch.Generator,
+) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Draw one response per prompt from mu with a KV cache, prompts left-padded in one batch, and
+    keep the support of mu each token was drawn from.
 
     A response ends with (and includes) the first EOS token, or after `max_new_tokens`.
+    supports[b] is None when the sampler does not truncate (the support is the whole vocabulary),
+    else the packed masks (`pack_support`) of response b's tokens, uint8 (len(response), ceil(V / 8))
+    on the CPU: V / 8 bytes per drawn token, what scoring needs to use the same support.
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     responses: list[list[int]] = [[] for _ in prompts]
+    steps: list[torch.Tensor] = []  # the packed support of every row at every step
     done = [False] * len(prompts)
     # transformers 5 renamed the KV-cache argument and output from `past_key_values` to `cache`.
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -119,8 +176,10 @@ def sample_responses(
                 f"{type(model).__name__} returned no KV cache ({cache_name!r}) with use_cache=True: on-policy "
                 "sampling needs a causal LM that generates with a cache, e.g. an AutoModelForCausalLM."
             )
-        probs = sampler.log_probs(out.logits[:, -1]).exp().cpu()
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1).tolist()
+        log_mu = sampler.log_probs(out.logits[:, -1])
+        if sampler.truncates:
+            steps.append(pack_support(log_mu > float("-inf")).cpu())
+        tokens = torch.multinomial(log_mu.exp().cpu(), 1, generator=generator).squeeze(1).tolist()
         for row, token in enumerate(tokens):
             if not done[row]:
                 responses[row].append(token)
@@ -129,4 +188,7 @@ def sample_responses(
             break
         step_ids = torch.tensor(tokens, device=device).unsqueeze(1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return responses
+    if not steps:
+        return responses, [None] * len(prompts)
+    packed = torch.stack(steps, dim=1)  # row b drew a token at every step until its EOS
+    return responses, [packed[b, : len(r)] for b, r in enumerate(responses)]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_cfp.fisher.sampling import Sampler
+from hf_cfp.fisher.sampling import Sampler, pack_support, unpack_support
 
 
 def py_sampler_probs(row, temperature, top_k, top_p):
@@ -90,3 +90,20 @@ def test_sampler_log_probs_gradient_is_score_of_truncated_distribution():
     mu = torch.tensor(py_sampler_probs(logits.tolist(), 0.8, 3, 1.0))
     expected = (torch.nn.functional.one_hot(torch.tensor(1), 5).float() - mu.float()) / 0.8
     torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_support_round_trips_and_scores_like_the_recomputed_one():
+    """pack_support keeps bit j of byte i = mask[8 i + j]; scoring on a given support equals the
+    truncation recomputed from the same logits (V = 13: not a multiple of 8)."""
+    logits = 2.5 * torch.randn(5, 13, generator=torch.Generator().manual_seed(7))
+    sampler = Sampler(0.9, 6, 0.8)
+    recomputed = sampler.log_probs(logits)
+    mask = recomputed > float("-inf")
+    packed = pack_support(mask)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 2)
+    for row in range(5):
+        assert [int(b) for b in packed[row]] == [
+            sum(1 << j for j in range(8) if 8 * i + j < 13 and mask[row, 8 * i + j]) for i in range(2)
+        ]
+    assert torch.equal(unpack_support(packed, 13), mask)
+    torch.testing.assert_close(sampler.log_probs(logits, mask), recomputed)
