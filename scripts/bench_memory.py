@@ -1,0 +1,155 @@
+"""Benchmark CFP's memory per parameter and the cost of its bounded (chunked) correction and metrics.
+
+Model: SmolLM2-135M's architecture from config (random weights) in bfloat16, with the synthetic heavy-tailed
+anchor of bench_peft.py over every parameter. For each memory plan of `CFPState`:
+
+  dense       theta0 in the parameters' dtype (bf16) + F float32            (the default)
+  bf16f       theta0 bf16 + F bfloat16                                       (fisher_dtype="bfloat16")
+  sparse      the top 1% of F corrected on the device; theta0 and F for the metrics offloaded to CPU memory
+
+it reports the extra bytes per parameter CFP holds beside the parameters (the training device) and offloaded,
+counted from the tensors it keeps (`CFPState.footprint`; on a GPU also torch.cuda.memory_allocated before and
+after binding), and times, interleaved over rounds (medians):
+
+  copy        torch._foreach_copy_ of the parameters from a same-size copy (the memory-traffic floor)
+  adamw       one AdamW step (foreach) with gradients set
+  correction  CFPState.correct(lam), lam = 1 / p99
+  metrics     CFPState.drift_metrics()
+
+and, in a fresh process, the peak resident memory of the anchor's statistics (`fisher_statistics` and
+`concentration`) against the anchor's own size. Last line:
+
+  RESULT correction_vs_copy=<x> metrics_vs_correction=<y> dense_bytes_per_param=<d> bf16f_bytes_per_param=<b>
+         sparse_bytes_per_param=<s> stats_peak_vs_anchor=<t>
+
+Targets (issue 14): x <= 1.5, y <= 2.0, d <= 6, b <= 4, s <= 0.3, t <= 1.5.
+
+    python scripts/bench_memory.py [--rounds 5] [--threads 2] [--device cpu|cuda]
+"""
+
+import argparse
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from bench_peft import smollm2_135m_shaped, synthetic_anchor  # scripts/ is on sys.path when run
+
+PLANS = {"dense": {}, "bf16f": {"fisher_dtype": "bfloat16"}, "sparse": {"sparse": 0.01}}
+PROJECTED_PARAMETERS = 7.6e9  # Qwen2.5-7B-Instruct, the paper's model
+
+
+def synchronized(device: torch.device):
+    def timed(fn) -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    return timed
+
+
+def stats_worker() -> None:
+    """In this fresh process: an anchor of the model's shape (filled in place), then the statistics' peak."""
+    from hf_cfp.anchor.statistics import concentration, fisher_statistics
+
+    model = smollm2_135m_shaped()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    del model
+    g = torch.Generator().manual_seed(1)
+    fisher = {n: torch.empty(s).exponential_(generator=g) for n, s in shapes.items()}
+    anchor_bytes = sum(f.nbytes for f in fisher.values())
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    fisher_statistics(fisher)
+    concentration(fisher)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"{anchor_bytes} {peak - before}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--stats-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.stats_worker:
+        return stats_worker()
+
+    from hf_cfp import CFPState
+    from hf_cfp.protection import MemoryPlan
+
+    device = torch.device(args.device)
+    timed = synchronized(device)
+    model = smollm2_135m_shaped().to(device, torch.bfloat16)
+    anchor = synthetic_anchor(model)
+    lam = 1.0 / anchor.metadata["statistics"]["p99"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
+    print(f"{numel:,} parameters (bf16) on {device}, {args.threads} threads, lam = 1/p99 = {lam:.4g}")
+
+    per_param: dict[str, tuple[float, float, float | None]] = {}
+    states = {}
+    for name, plan in PLANS.items():
+        allocated = torch.cuda.memory_allocated() if device.type == "cuda" else None
+        states[name] = CFPState(model, anchor, memory=MemoryPlan(**plan))
+        measured = (torch.cuda.memory_allocated() - allocated) / numel if allocated is not None else None
+        beside, offloaded = states[name].footprint()
+        per_param[name] = (beside / numel, offloaded / numel, measured)
+
+    copies = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    optimizer.step()  # allocates its state
+    live = [p.detach() for p in params]
+    rows = {"copy": [], "adamw": [], **{f"correction {n}": [] for n in PLANS}, **{f"metrics {n}": [] for n in PLANS}}
+    for round_ in range(args.rounds + 1):
+        times = {"copy": timed(lambda: torch._foreach_copy_(live, copies)), "adamw": timed(optimizer.step)}
+        for name, state in states.items():
+            times[f"correction {name}"] = timed(lambda s=state: s.correct(lam))
+            times[f"metrics {name}"] = timed(state.drift_metrics)
+        if round_:  # the first round warms up
+            for key, value in times.items():
+                rows[key].append(value)
+    median = {key: statistics.median(values) for key, values in rows.items()}
+
+    print(f"\n| plan | beside the parameters (bytes/param) | offloaded to CPU | 7B projection beside | measured |")
+    print("|---|---|---|---|---|")
+    for name, (beside, offloaded, measured) in per_param.items():
+        gpu = f"{measured:.3f} (cuda allocated)" if measured is not None else "n/a on CPU"
+        projection = beside * PROJECTED_PARAMETERS / 1e9
+        print(f"| {name} | {beside:.3f} | {offloaded:.3f} | {projection:.1f} GB | {gpu} |")
+    print("\n| operation | median s | / copy | / AdamW step |")
+    print("|---|---|---|---|")
+    for key, value in median.items():
+        print(f"| {key} | {value:.4f} | {value / median['copy']:.2f} | {value / median['adamw']:.2f} |")
+
+    worker = subprocess.run(
+        [sys.executable, __file__, "--stats-worker", "--threads", str(args.threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    anchor_bytes, extra_peak = (int(v) for v in worker.stdout.split()[-2:])
+    stats_peak = (anchor_bytes + extra_peak) / anchor_bytes
+    print(f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB, extra peak RSS {extra_peak / 1e6:.0f} MB")
+    result = {
+        "correction_vs_copy": median["correction dense"] / median["copy"],
+        "metrics_vs_correction": median["metrics dense"] / median["correction dense"],
+        "dense_bytes_per_param": per_param["dense"][0],
+        "bf16f_bytes_per_param": per_param["bf16f"][0],
+        "sparse_bytes_per_param": per_param["sparse"][0],
+        "stats_peak_vs_anchor": stats_peak,
+    }
+    print("RESULT " + " ".join(f"{k}={v:.3g}" for k, v in result.items()))
+
+
+if __name__ == "__main__":
+    main()
