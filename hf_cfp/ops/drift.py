@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from .chunks import CHUNK_ELEMENTS, spans
+from .chunks import CHUNK_ELEMENTS, spans, workspace
 
 
 class DriftView(NamedTuple):
@@ -36,8 +36,9 @@ def drift_squares(
     over the tensors it covers (a None theta0 is 0: Delta = params).
 
     theta0 and F may live on another device than the parameter (offloaded to the CPU) and in any floating
-    dtype: each span of at most `chunk` elements is moved to the parameter's device and computed in float32,
-    so the temporaries are a few chunks, never the model. The sums are accumulated in float64 per device.
+    dtype: each span of at most `chunk` elements is copied into float32 buffers on the parameter's device
+    (`workspace`), so the temporaries are three chunks, never the model. Each chunk's sums are float32, added up
+    in float64 per device.
     """
     if any(len(view.fishers) != len(params) for view in views):
         raise ValueError(f"drift_squares: every view needs one F (or None) per tensor, {len(params)} tensors.")
@@ -49,16 +50,20 @@ def drift_squares(
             param_flat = param.reshape(-1)
             start_flat = start.reshape(-1) if start is not None else None
             covering = [(v, f.reshape(-1)) for v, view in enumerate(views) if (f := view.fishers[i]) is not None]
+            square_buffer, origin_buffer, product_buffer = workspace(device, 3, chunk)
             for span in spans(param_flat.numel(), chunk):
-                delta = param_flat[span].float()
+                size = span.stop - span.start
+                square = square_buffer[:size].copy_(param_flat[span])
                 if start_flat is not None:
-                    delta = delta - start_flat[span].to(device, non_blocking=True)
-                square = delta.square()
-                acc[0] += square.sum(dtype=torch.float64)
+                    square.sub_(origin_buffer[:size].copy_(start_flat[span], non_blocking=True))
+                square.square_()
+                # float32 sums of one chunk (pairwise, accurate to ~1e-7), added up in float64
+                acc[0] += square.sum()
                 for v, fisher in covering:
-                    f = fisher[span].to(device, non_blocking=True)
-                    acc[1 + 2 * v] += torch.mul(square, f).sum(dtype=torch.float64)
-                    acc[2 + 2 * v] += square.where(f <= views[v].threshold, 0.0).sum(dtype=torch.float64)
+                    f = origin_buffer[:size].copy_(fisher[span], non_blocking=True)  # F in float32
+                    acc[1 + 2 * v] += torch.mul(square, f, out=product_buffer[:size]).sum()
+                    free = f.le_(views[v].threshold)  # 1.0 where F <= threshold, else 0.0
+                    acc[2 + 2 * v] += free.mul_(square).sum()
     return sum((acc.cpu() for acc in sums.values()), torch.zeros(1 + 2 * len(views), dtype=torch.float64))
 
 
