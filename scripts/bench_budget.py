@@ -5,8 +5,8 @@ heavy-tailed anchor; full-parameter AdamW at lr 1e-4. Two unprotected steps set 
 half the predicted KL reached, so it binds at every timed step. Each round, interleaved, times:
 
   step        forward + backward + AdamW step on a batch of B x T random tokens
-  fixed lam   CFPState.correct(lam), lam = 1/p99 (the pull w cached: one lerp pass)
-  new lam     CFPState.correct(lam') with a lam' not seen before (w recomputed, then the lerp)
+  fixed lam   CFPState.correct(lam), lam = 1/p99 (1 + lam F recomputed from F a chunk at a time)
+  new lam     CFPState.correct(lam') with a lam' not seen before (the same work: nothing is cached per lam)
   budget      CFPState.budget_lams(B) (warm-started from the previous step) + correct(lams)
 
 Every correction is undone after timing except the budget's, which the path keeps. The table gives medians
@@ -42,7 +42,7 @@ def main():
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-4)
     state = CFPState(model, anchor)  # the budget's path
-    fixed = CFPState(model, anchor)  # a fixed lam: its pull w stays cached between rounds
+    fixed = CFPState(model, anchor)  # a fixed lam
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     passes = []
     count_passes = state_module.budget_terms

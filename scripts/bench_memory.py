@@ -16,7 +16,10 @@ after binding), and times, interleaved over rounds (medians):
   correction  CFPState.correct(lam), lam = 1 / p99
   metrics     CFPState.drift_metrics()
 
-and, in a fresh process, the peak resident memory of the anchor's statistics (`fisher_statistics` and
+then the error of keeping F in bfloat16: two copies of a 500k-parameter bf16 vector follow the same persistent
+noisy proposals for `--steps` steps, one corrected with F in float32, one with F rounded to bf16, and the
+distance between their paths is reported relative to the drift itself; and, in a fresh process, the peak
+resident memory of the anchor's statistics (`fisher_statistics` and
 `concentration`) against the anchor's own size. Last line:
 
   RESULT correction_vs_copy=<x> metrics_vs_correction=<y> dense_bytes_per_param=<d> bf16f_bytes_per_param=<b>
@@ -71,11 +74,34 @@ def stats_worker() -> None:
     print(f"{anchor_bytes} {peak - before}")
 
 
+def bf16_fisher_error(steps: int, numel: int = 500_000) -> tuple[float, float]:
+    """(||theta_bf16F - theta_f32F|| / ||theta_f32F - theta0||, relative difference of sum F Delta^2) after `steps`
+    steps of the same proposals (a persistent direction plus noise, lr 1e-3) from the same bf16 theta0, lam F
+    log-normal around 1 (the regime where the pull is neither negligible nor saturated)."""
+    from hf_cfp.ops import proximal_pull_
+
+    g = torch.Generator().manual_seed(0)
+    theta0 = torch.randn(numel, generator=g).bfloat16()
+    fisher = (2.0 * torch.randn(numel, generator=g)).exp()
+    direction = torch.randn(numel, generator=g)
+    paths = {"float32": theta0.clone(), "bfloat16": theta0.clone()}
+    for _ in range(steps):
+        step = 1e-3 * (direction + torch.randn(numel, generator=g))
+        for dtype, theta in paths.items():
+            theta.copy_(theta.float() + step)
+            proximal_pull_([theta], [theta0], [[fisher.to(getattr(torch, dtype))]], [1.0])
+    exact, rounded = (paths[d].double() - theta0.double() for d in ("float32", "bfloat16"))
+    f = fisher.double()
+    sensitive = [float((f * d**2).sum()) for d in (exact, rounded)]
+    return float((rounded - exact).norm() / exact.norm()), abs(sensitive[1] / sensitive[0] - 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=1000, help="steps of the bf16-F error experiment")
     parser.add_argument("--stats-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,7 +146,7 @@ def main():
                 rows[key].append(value)
     median = {key: statistics.median(values) for key, values in rows.items()}
 
-    print(f"\n| plan | beside the parameters (bytes/param) | offloaded to CPU | 7B projection beside | measured |")
+    print("\n| plan | beside the parameters (bytes/param) | offloaded to CPU | 7B projection beside | measured |")
     print("|---|---|---|---|---|")
     for name, (beside, offloaded, measured) in per_param.items():
         gpu = f"{measured:.3f} (cuda allocated)" if measured is not None else "n/a on CPU"
@@ -131,6 +157,11 @@ def main():
     for key, value in median.items():
         print(f"| {key} | {value:.4f} | {value / median['copy']:.2f} | {value / median['adamw']:.2f} |")
 
+    path_error, sensitive_error = bf16_fisher_error(args.steps)
+    print(
+        f"\nF in bf16 after {args.steps} steps: the path differs from float32 F's by {path_error:.2e} of its drift; "
+        f"sum F Delta^2 by {sensitive_error:.2e} (relative)"
+    )
     worker = subprocess.run(
         [sys.executable, __file__, "--stats-worker", "--threads", str(args.threads)],
         capture_output=True,
