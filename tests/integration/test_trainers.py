@@ -206,6 +206,30 @@ def test_callback_matches_per_parameter_reference(tmp_path, lam):
     assert effect > 1e-3, "the correction must change the run by far more than the tolerance"
 
 
+@pytest.mark.parametrize("fisher_dtype", ["float32", "bfloat16"])
+def test_memory_plans_follow_the_reference_path(tmp_path, fisher_dtype):
+    """Dense with F in bf16: the reference run with F rounded to bf16. Sparse (top 10% of coordinates): the
+    reference with F zeroed below the 90th percentile, found by sorting every value; the logged metrics, over
+    theta0 and F offloaded, are those of the full anchor."""
+    base = tiny_llama()
+    anchor = random_anchor(base)
+    stored = {n: f.to(getattr(torch, fisher_dtype)).float() for n, f in anchor.fisher.items()}
+    ours = train(copy.deepcopy(base), [CFPCallback(anchor, lam=10.0, fisher_dtype=fisher_dtype)], tmp_path / "o")
+    reference = train(copy.deepcopy(base), [ReferenceCFP(stored, 10.0)], tmp_path / "r")
+    assert max((ours[n] - reference[n]).abs().max().item() for n in ours) <= 1e-6
+
+    values = torch.cat([f.reshape(-1) for f in anchor.fisher.values()]).sort().values
+    threshold = values[math.ceil(0.9 * values.numel()) - 1]
+    top = {n: torch.where(f > threshold, f, 0.0) for n, f in anchor.fisher.items()}
+    sparse = CFPCallback(anchor, lam=10.0, sparse=0.1)
+    ours = train(copy.deepcopy(base), [sparse], tmp_path / "s")
+    reference = train(copy.deepcopy(base), [ReferenceCFP(top, 10.0)], tmp_path / "t")
+    plain = train(copy.deepcopy(base), [], tmp_path / "p")
+    assert max((ours[n] - reference[n]).abs().max().item() for n in ours) <= 1e-6
+    assert max((ours[n] - plain[n]).abs().max().item() for n in ours) > 1e-3  # the kept 10% do move
+    assert sparse.protection.sparse_report.kept == sum(int((f > 0).sum()) for f in top.values())
+
+
 def test_lam_zero_is_bit_identical_to_no_callback(tmp_path):
     base = tiny_llama()
     ours = train(copy.deepcopy(base), [CFPCallback(random_anchor(base), lam=0.0)], tmp_path / "a")
