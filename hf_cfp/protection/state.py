@@ -6,12 +6,13 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from ..anchor import FisherAnchor
+from ..anchor.lazy import TensorsOf
 from ..errors import CFPArgumentError, CFPError
 from ..ops import (
     PullWeights,
@@ -168,16 +169,19 @@ class CFPState:
         self,
         bound: dict[str, list[BoundTensor]],
         adapted_fisher: dict[str, dict[int, torch.Tensor]],
-        full_fisher: dict[str, dict[str, torch.Tensor]],
+        full_fisher: dict[str, Mapping[str, torch.Tensor]],
         free_fraction: float,
     ) -> None:
         """Per anchor, what its metrics sum over: `views` (indices into params, local F, free-drift threshold)
         and `adapted_views` (adapted weights' F, threshold). The threshold comes from the anchor's full F over
-        every covered parameter that can move: trainable ones and LoRA-adapted ones."""
+        every covered parameter that can move: trainable ones and LoRA-adapted ones, read one tensor at a time
+        (an anchor kept in its files is never loaded whole)."""
         thresholds = {
             name: free_threshold(
-                [full_fisher[name][t.name] for t in tensors]
-                + [full_fisher[name][self.adapted[i].name] for i in adapted_fisher[name]],
+                TensorsOf(
+                    full_fisher[name],
+                    [t.name for t in tensors] + [self.adapted[i].name for i in adapted_fisher[name]],
+                ),
                 free_fraction,
             )
             if tensors or adapted_fisher[name]
