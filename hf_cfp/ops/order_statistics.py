@@ -54,7 +54,7 @@ def top_rank(fraction: float, n: int) -> int:
     return n - rank_of_fraction(fraction, n) + 1
 
 
-def chunks(tensors: Collection[torch.Tensor]) -> Iterator[torch.Tensor]:
+def _chunks(tensors: Collection[torch.Tensor]) -> Iterator[torch.Tensor]:
     """The tensors' elements as flat float32 chunks of at most CHUNK elements, -0.0 made +0.0, one tensor at a
     time (a contiguous tensor is sliced in place; each chunk is a fresh float32 copy of CHUNK elements)."""
     for tensor in tensors:
@@ -65,7 +65,7 @@ def chunks(tensors: Collection[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 def float64_sum(tensors: Collection[torch.Tensor]) -> float:
     """sum_i x_i over every element, accumulated in float64 chunk by chunk (no float64 copy of a tensor)."""
-    return sum(float(chunk.sum(dtype=torch.float64)) for chunk in chunks(tensors))
+    return sum(float(chunk.sum(dtype=torch.float64)) for chunk in _chunks(tensors))
 
 
 def _keys(values: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ def order_statistics(tensors: Collection[torch.Tensor], ranks: Callable[[int], S
     by two streaming passes over `tensors`. Raises ValueError for a rank outside 1..n."""
     high_counts = torch.zeros(_BUCKETS, dtype=torch.int64)
     high_sums = torch.zeros(_BUCKETS, dtype=torch.float64)
-    for chunk in chunks(tensors):
+    for chunk in _chunks(tensors):
         counts, sums = _histogram(_keys(chunk) >> _BITS, chunk)
         high_counts += counts
         high_sums += sums
@@ -112,7 +112,7 @@ def order_statistics(tensors: Collection[torch.Tensor], ranks: Callable[[int], S
         bucket: (torch.zeros(_BUCKETS, dtype=torch.int64), torch.zeros(_BUCKETS, dtype=torch.float64))
         for bucket, _ in located
     }
-    for chunk in chunks(tensors) if low else ():
+    for chunk in _chunks(tensors) if low else ():
         keys = _keys(chunk)
         high = keys >> _BITS
         for bucket, (low_counts, low_sums) in low.items():
