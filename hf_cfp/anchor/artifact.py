@@ -14,8 +14,10 @@ from ..names import canonical_name
 from .card import render_card
 from .combine import combine_parts
 from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
+from .lazy import LazyFisher, fisher_shape
 from .statistics import fisher_statistics
-from .storage import read_tensors, write_tensors
+from .storage import read_tensors, stored_tensors, write_tensors
+from .values import check_fisher_values
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "cfp_config.json"
@@ -33,21 +35,6 @@ def validate_anchor_name(name: str) -> str:
     return name
 
 
-def _validate_values(name: str, tensor: torch.Tensor, anchor_name: str) -> None:
-    bad = ~torch.isfinite(tensor)
-    if bad.any():
-        raise AnchorValidationError(
-            f"Anchor {anchor_name!r}: parameter {name!r} has {int(bad.sum())} NaN/Inf Fisher values. "
-            "The anchor is corrupt or its estimation overflowed; re-estimate it (in float32)."
-        )
-    negative = tensor < 0
-    if negative.any():
-        raise AnchorValidationError(
-            f"Anchor {anchor_name!r}: parameter {name!r} has {int(negative.sum())} negative Fisher values "
-            f"(min {float(tensor.min()):.3g}). A diagonal Fisher is a mean of squares; re-estimate the anchor."
-        )
-
-
 class FisherAnchor:
     """The diagonal output Fisher of one capability at the initial weights theta0.
 
@@ -55,7 +42,9 @@ class FisherAnchor:
     tensor per parameter, keyed by canonical parameter names (wrapper prefixes removed).
 
     Args:
-        fisher: parameter name -> non-negative finite tensor of the parameter's shape.
+        fisher: parameter name -> non-negative finite tensor of the parameter's shape; or a `LazyFisher`
+            (`from_pretrained(..., lazy=True)`), kept as is: its values are checked as they are read, and
+            `metadata["statistics"]` stays as saved when present (else computed, streaming from the files).
         name: capability name used in metric keys (`cfp/<name>/sensitive_drift`).
         metadata: provenance (base model, sampler, number of sequences, prompt fingerprint...).
     """
@@ -64,11 +53,18 @@ class FisherAnchor:
         self.name = validate_anchor_name(name)
         if not fisher:
             raise AnchorValidationError(f"Anchor {name!r} has no tensors; pass fisher={{param_name: tensor, ...}}.")
-        self.fisher = {}
+        self.fisher: Mapping[str, torch.Tensor]
+        if isinstance(fisher, LazyFisher):
+            self.fisher = fisher
+            saved = dict(metadata or {})
+            self.metadata = {**saved, "statistics": saved.get("statistics") or self.statistics()}
+            return
+        tensors = {}
         for key, tensor in fisher.items():
             tensor = torch.as_tensor(tensor).detach().to(device="cpu", dtype=torch.float32).contiguous()
-            _validate_values(key, tensor, name)
-            self.fisher[canonical_name(key)] = tensor
+            check_fisher_values(key, tensor, name)
+            tensors[canonical_name(key)] = tensor
+        self.fisher = tensors
         self.metadata = {**dict(metadata or {}), "statistics": self.statistics()}
 
     def statistics(self) -> dict:
@@ -130,6 +126,7 @@ class FisherAnchor:
         cache_dir=None,
         local_files_only: bool = False,
         endpoint: str | None = None,
+        lazy: bool = False,
     ) -> "FisherAnchor":
         """Load an anchor from a local directory or a Hub repo, validating the format and every value.
 
@@ -138,10 +135,16 @@ class FisherAnchor:
         only that subfolder's files are downloaded, at `revision` (branch, tag, `refs/pr/N` or
         commit sha; default main), and the resolved commit is recorded in `metadata["hub"]`.
         Works offline from the cache (`local_files_only=True` or HF_HUB_OFFLINE=1).
+
+        `lazy=True` reads only the headers: `anchor.fisher` is then a `LazyFisher` that reads a tensor, or a
+        part of one (`read_flat`, `read_block`), from the files when asked and checks its values then.
+        `metadata["statistics"]` are those saved with the anchor (for one saved in bfloat16, those of the
+        float32 values before rounding; `anchor.statistics()` recomputes them from the files). `CFPCallback`
+        loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the pieces of F it keeps.
         """
         local = Path(repo_id_or_dir) / (subfolder or "")
         if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
-            return cls._load_directory(local)
+            return cls._load_directory(local, lazy)
         repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
         subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)
         revision = revision or ref_revision
@@ -154,7 +157,7 @@ class FisherAnchor:
             local_files_only=local_files_only,
             endpoint=endpoint,
         )
-        anchor = cls._load_directory(directory)
+        anchor = cls._load_directory(directory, lazy)
         anchor.metadata["hub"] = {
             "repo_id": repo_id,
             "subfolder": subfolder,
@@ -164,7 +167,7 @@ class FisherAnchor:
         return anchor
 
     @classmethod
-    def _load_directory(cls, directory: Path) -> "FisherAnchor":
+    def _load_directory(cls, directory: Path, lazy: bool) -> "FisherAnchor":
         if not directory.is_dir():
             raise AnchorNotFoundError(
                 f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained()."
@@ -172,7 +175,10 @@ class FisherAnchor:
         if not (directory / CONFIG_NAME).is_file():
             raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
         config = _read_config(directory / CONFIG_NAME)
-        return cls(read_tensors(directory), name=config["name"], metadata=config.get("metadata"))
+        name, metadata = config["name"], config.get("metadata")
+        if lazy:
+            return cls(LazyFisher(stored_tensors(directory), name), name=name, metadata=metadata)
+        return cls(read_tensors(directory), name=name, metadata=metadata)
 
     def push_to_hub(
         self,
@@ -213,7 +219,7 @@ class FisherAnchor:
             )
 
     def __repr__(self) -> str:
-        count = sum(t.numel() for t in self.fisher.values())
+        count = sum(fisher_shape(self.fisher, name).numel() for name in self.fisher)
         return f"FisherAnchor(name={self.name!r}, tensors={len(self.fisher)}, coordinates={count})"
 
 

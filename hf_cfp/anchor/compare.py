@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import AnchorMismatchError
+from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
 from .statistics import TOP_FRACTIONS, module_type_masses
 
 if TYPE_CHECKING:  # artifact.py imports this module to check the parts of a combination
@@ -33,13 +34,19 @@ def layout_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tenso
 
 def top_mask(tensors: Sequence[torch.Tensor], fraction: float) -> torch.Tensor:
     """T(F): a flat boolean mask of the k = ceil(fraction * n) largest coordinates of the tensors taken in
-    order and flattened; ties at the k-th largest value are broken by the lower flat index."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    k = max(1, math.ceil(fraction * flat.numel()))
-    kth = flat.kthvalue(flat.numel() - k + 1).values  # the k-th largest (a selection, not a top-k sort)
-    mask = flat > kth
-    tied = (flat == kth).nonzero().squeeze(1)
-    mask[tied[: k - int(mask.sum())]] = True
+    order and flattened; ties at the k-th largest value are broken by the lower flat index. The k-th largest
+    is selected by streaming (`ops.order_statistics`); the tensors are never concatenated, only the mask is
+    built (n bytes)."""
+    kth = order_statistics(tensors, lambda n: [top_rank(fraction, n)]).values[0]
+    flats = [t.detach().reshape(-1) for t in tensors]
+    mask = torch.empty(sum(f.numel() for f in flats), dtype=torch.bool, device=flats[0].device)
+    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
+        torch.gt(flat, kth, out=part)
+    need = rank_of_fraction(fraction, mask.numel()) - int(mask.sum())  # ties at kth to take, lowest index first
+    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
+        tied = (flat == kth).nonzero().squeeze(1)[:need]
+        part[tied] = True
+        need -= tied.numel()
     return mask
 
 
@@ -65,8 +72,8 @@ def split_half(first_sums: Sequence[torch.Tensor], second_sums: Sequence[torch.T
     F_b = S_b / N_b: {"top1pct_overlap": |T1(F_a) ∩ T1(F_b)| / |T1| (T1 the top 1%; a set does not change
     with the scale, so it is taken on the sums), "mass_relative_difference": |M_a - M_b| / ((M_a + M_b) / 2)
     with M = sum_i F_i (0 when both are 0), "num_sequences": [N_a, N_b]}."""
-    mass_a = sum(float(s.double().sum()) for s in first_sums) / n_first
-    mass_b = sum(float(s.double().sum()) for s in second_sums) / n_second
+    mass_a = float64_sum(first_sums) / n_first
+    mass_b = float64_sum(second_sums) / n_second
     return {
         "top1pct_overlap": top_overlap(first_sums, second_sums, 0.01),
         "mass_relative_difference": abs(mass_a - mass_b) / ((mass_a + mass_b) / 2) if mass_a + mass_b > 0 else 0.0,

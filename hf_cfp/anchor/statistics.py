@@ -1,34 +1,31 @@
 """What an anchor's F looks like: its scale and how concentrated its mass is (metadata, card, CLI)."""
 
-import math
 from collections import defaultdict
 from collections.abc import Mapping
 
 import torch
 
-from ..ops import free_threshold
+from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
+from ..resident import peak_rss_increase
 
 TOP_FRACTIONS = (("0.1%", 0.001), ("1%", 0.01), ("5%", 0.05))  # the top sets reported by inspect and compare
 
 
-def _flat(fisher: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in fisher.values()]).double()
-
-
 def fisher_statistics(fisher: Mapping[str, torch.Tensor]) -> dict:
     """Size, scale and concentration of F: parameter count n, total mass sum_i F_i, mean, max,
-    the 99th percentile `p99` (lam = 1 / p99 halves every top-1% coordinate's displacement
-    per step), and the share of the mass held by the top ceil(0.01 n) coordinates."""
-    flat = _flat(fisher)
-    total = float(flat.sum())
-    top = flat.topk(max(1, math.ceil(0.01 * flat.numel()))).values
+    the 99th percentile `p99` = the k-th smallest F with k = ceil(0.99 n) (lam = 1 / p99 halves every
+    top-1% coordinate's displacement per step), and the share of the mass held by the top ceil(0.01 n)
+    coordinates. Streamed over the tensors one at a time (`ops.order_statistics`): no concatenation, no
+    float64 copy, extra memory a few chunks whatever the anchor's size."""
+    found = order_statistics(fisher.values(), lambda n: [rank_of_fraction(0.99, n), top_rank(0.01, n), n])
+    (p99, _, largest), (_, top, _) = found.values, found.tail_sums
     return {
-        "num_parameters": flat.numel(),
-        "total_mass": total,
-        "mean": total / flat.numel(),
-        "max": float(flat.max()),
-        "p99": free_threshold([flat], 0.99),
-        "top1pct_mass_share": float(top.sum()) / total if total > 0 else 0.0,
+        "num_parameters": found.count,
+        "total_mass": found.total,
+        "mean": found.total / found.count,
+        "max": largest,
+        "p99": p99,
+        "top1pct_mass_share": top / found.total if found.total > 0 else 0.0,
     }
 
 
@@ -40,19 +37,29 @@ def module_type_masses(fisher: Mapping[str, torch.Tensor]) -> dict[str, tuple[fl
     for name, tensor in fisher.items():
         parts = name.split(".")
         kind = parts[-2] if len(parts) > 1 else parts[-1]
-        mass[kind] += float(tensor.double().sum())
+        mass[kind] += float64_sum([tensor])
         count[kind] += tensor.numel()
     return {kind: (mass[kind], count[kind]) for kind in mass}
 
 
 def concentration(fisher: Mapping[str, torch.Tensor]) -> dict:
-    """Share of the total mass in the top 0.1 / 1 / 5% of coordinates, and per module type
+    """Share of the total mass in the top 0.1 / 1 / 5% of coordinates (the sum of the top ceil(q n) values
+    over sum_i F_i, ties counted exactly; streamed as `fisher_statistics`), and per module type
     (`module_type_masses`)."""
-    flat = _flat(fisher)
-    total = float(flat.sum()) or 1.0
-    ordered = flat.sort(descending=True).values
-    top = {label: float(ordered[: max(1, math.ceil(q * flat.numel()))].sum()) / total for label, q in TOP_FRACTIONS}
+    found = order_statistics(fisher.values(), lambda n: [top_rank(q, n) for _, q in TOP_FRACTIONS])
+    total = found.total or 1.0
+    top = {label: tail / total for (label, _), tail in zip(TOP_FRACTIONS, found.tail_sums, strict=True)}
     masses = module_type_masses(fisher)
     kinds = sorted(masses, key=lambda k: -masses[k][0])
     types = [{"type": k, "share": masses[k][0] / total, "count": masses[k][1]} for k in kinds]
     return {"top_shares": top, "module_types": types}
+
+
+def statistics_peak_vs_anchor(fisher: Mapping[str, torch.Tensor]) -> float:
+    """(A + P) / A for A = the bytes of the tensors of `fisher` (numel x element size, already resident) and
+    P = the rise of the process's peak resident set while `fisher_statistics(fisher)` runs
+    (`resident.peak_rss_increase`): the statistics' peak memory in units of the anchor's own size.
+    Call it in a fresh process that holds the anchor and little else (Linux)."""
+    size = sum(t.numel() * t.element_size() for t in fisher.values())
+    _, peak = peak_rss_increase(lambda: fisher_statistics(fisher))
+    return (size + max(peak, 0)) / size

@@ -11,6 +11,8 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ INDEX_NAME = "fisher.safetensors.index.json"
 SHARD_PATTERN = re.compile(r"^fisher-\d{5}-of-\d{5}\.safetensors$")
 MAX_INDEX_BYTES = 64 << 20
 _STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}  # readable
 _UNITS = {
     "": 1,
     "B": 1,
@@ -60,7 +63,7 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _plan_shards(tensors: dict[str, torch.Tensor], limit: int, itemsize: int) -> list[list[str]]:
+def _plan_shards(tensors: Mapping[str, torch.Tensor], limit: int, itemsize: int) -> list[list[str]]:
     """Greedy split in insertion order; a tensor larger than `limit` gets a shard of its own."""
     shards: list[list[str]] = []
     current: list[str] = []
@@ -84,7 +87,7 @@ def _temporary_path(directory: Path, filename: str) -> str:
 
 def write_tensors(
     directory: Path,
-    tensors: dict[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
     max_shard_size: int | str = "5GB",
     dtype: str = "float32",
     metadata: dict[str, str] | None = None,
@@ -155,7 +158,26 @@ def write_tensors(
     return written
 
 
-def _read_file(path: Path, expected: list[str] | None, index_path: Path | None) -> dict[str, torch.Tensor]:
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one anchor tensor lies: its file, its full shape and stored dtype (from the file's header), and
+    how error messages name the file."""
+
+    path: Path
+    shape: torch.Size
+    dtype: torch.dtype
+    what: str  # "'<file>'" or "shard '<name>' listed in '<index>'"
+
+
+def _corrupt(what: str, error: Exception) -> AnchorFormatError:
+    return AnchorFormatError(
+        f"The anchor's {what} is truncated or corrupt ({error}); download the anchor again or re-save it."
+    )
+
+
+def _read_header(path: Path, expected: list[str] | None, index_path: Path | None) -> dict[str, StoredTensor]:
+    """name -> StoredTensor for every tensor in `path`, checking the names against the index and that every
+    tensor is stored as floats; reads the header only (safetensors checks that the data covers it)."""
     what = f"shard {path.name!r} listed in {str(index_path)!r}" if index_path else repr(str(path))
     if not path.is_file():
         raise AnchorFormatError(f"The anchor's {what} is missing; download the anchor again or re-save it.")
@@ -168,20 +190,30 @@ def _read_file(path: Path, expected: list[str] | None, index_path: Path | None) 
                     f"The anchor's {what} does not match the index: it lacks {missing[:3]} and has unlisted "
                     f"{extra[:3]}. The shards come from different saves; download or re-save the anchor."
                 )
-            out = {name: handle.get_tensor(name) for name in names}
+            stored = {}
+            for name in names:
+                part = handle.get_slice(name)
+                if part.get_dtype() not in _DTYPES:
+                    raise AnchorFormatError(
+                        f"The anchor's {what} stores {name!r} as {part.get_dtype()}; Fisher values are floats."
+                    )
+                stored[name] = StoredTensor(path, torch.Size(part.get_shape()), _DTYPES[part.get_dtype()], what)
     except (SafetensorError, OSError, ValueError, RuntimeError) as error:
         if isinstance(error, AnchorFormatError):
             raise
-        raise AnchorFormatError(
-            f"The anchor's {what} is truncated or corrupt ({error}); download the anchor again or re-save it."
-        ) from error
-    for name, tensor in out.items():
-        if not tensor.is_floating_point():
-            raise AnchorFormatError(
-                f"The anchor's {what} stores {name!r} as {tensor.dtype}; Fisher values are floats."
-            )
-        out[name] = tensor.float()
-    return out
+        raise _corrupt(what, error) from error
+    return stored
+
+
+def read_stored(name: str, entry: StoredTensor, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """A float32 copy of the stored tensor `name`, or of its part `index` (one slice per leading dimension, as
+    `safe_open(...).get_slice(name)[index]` reads it: only that part of the file is touched)."""
+    try:
+        with safe_open(str(entry.path), framework="pt") as handle:
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+            return tensor.to(torch.float32, copy=True).contiguous()
+    except (SafetensorError, OSError, ValueError, RuntimeError) as error:
+        raise _corrupt(entry.what, error) from error
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
@@ -208,16 +240,17 @@ def _read_index(index_path: Path) -> dict[str, str]:
     return weight_map
 
 
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """float32 CPU tensors from `fisher.safetensors`, or from the index and its shards, one shard at a time.
+def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """name -> StoredTensor for `fisher.safetensors`, or for the index and its shards, from the headers alone.
 
     Raises AnchorNotFoundError when `directory` holds neither, and AnchorFormatError naming the file when
-    a shard is missing, does not hold exactly the names the index gives it, or is truncated or corrupt.
+    a shard is missing, does not hold exactly the names the index gives it, is truncated or corrupt, or
+    stores a tensor as other than floats.
     """
     directory = Path(directory)
     single, index_path = directory / WEIGHTS_NAME, directory / INDEX_NAME
     if single.is_file():
-        return _read_file(single, None, None)
+        return _read_header(single, None, None)
     if not index_path.is_file():
         raise AnchorNotFoundError(
             f"{str(directory)!r} holds no anchor tensors: neither {WEIGHTS_NAME} nor {INDEX_NAME} is there."
@@ -226,7 +259,12 @@ def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     by_shard: dict[str, list[str]] = {}
     for name, shard in weight_map.items():
         by_shard.setdefault(shard, []).append(name)
-    tensors = {}
+    stored = {}
     for shard in sorted(by_shard):
-        tensors.update(_read_file(directory / shard, by_shard[shard], index_path))
-    return {name: tensors[name] for name in weight_map}
+        stored.update(_read_header(directory / shard, by_shard[shard], index_path))
+    return {name: stored[name] for name in weight_map}
+
+
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """float32 CPU tensors of every name in `stored_tensors(directory)` (with its errors), one at a time."""
+    return {name: read_stored(name, entry) for name, entry in stored_tensors(directory).items()}

@@ -42,8 +42,9 @@ AnchorLike = FisherAnchor | str | os.PathLike
 
 
 def load_anchor(anchor: AnchorLike) -> FisherAnchor:
-    """`anchor` as given, or loaded from a directory or Hub reference (`FisherAnchor.from_pretrained`)."""
-    return anchor if isinstance(anchor, FisherAnchor) else FisherAnchor.from_pretrained(os.fspath(anchor))
+    """`anchor` as given, or loaded lazily from a directory or Hub reference (`FisherAnchor.from_pretrained` with
+    `lazy=True`: F stays in the files, and each process reads only the pieces it binds)."""
+    return anchor if isinstance(anchor, FisherAnchor) else FisherAnchor.from_pretrained(os.fspath(anchor), lazy=True)
 
 
 def resolve_anchor(

@@ -5,13 +5,14 @@ Imports torch (and `errors`) only, so every other layer (parallel layouts, prote
 
 from .budget import budget_terms, solve_budget
 from .chunks import CHUNK_ELEMENTS, flat, spans
-from .correction import AnchorFishers, proximal_pull_, pull_strength
+from .correction import AnchorFishers, PullStrengths, proximal_pull_, pull_strength
 from .drift import DriftView, drift_squares, free_threshold
 
 __all__ = [
     "CHUNK_ELEMENTS",
     "AnchorFishers",
     "DriftView",
+    "PullStrengths",
     "budget_terms",
     "drift_squares",
     "flat",

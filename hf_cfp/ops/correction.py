@@ -36,6 +36,23 @@ def pull_strength(
     return strength
 
 
+class PullStrengths(Sequence[torch.Tensor]):
+    """P = sum_k lam_k F_k of each tensor (`fishers[i]`: a row as in `proximal_pull_`), computed when read, so a
+    streaming pass over them (`order_statistics`) never holds them all."""
+
+    def __init__(self, fishers: AnchorFishers, lams: Sequence[float]):
+        self.fishers, self.lams = fishers, lams
+
+    def __len__(self) -> int:
+        return len(self.fishers)
+
+    def __getitem__(self, i):  # an integer index
+        strength = pull_strength(self.fishers[i], self.lams)
+        if strength is None:
+            raise ValueError(f"PullStrengths: no anchor covers tensor {i}.")
+        return strength
+
+
 def proximal_pull_(
     params: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor],

@@ -8,13 +8,13 @@
 `drift_squares` returns squared sums so that sharded callers can add them across ranks first.
 """
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from .chunks import CHUNK_ELEMENTS, spans, workspace
+from .order_statistics import order_statistics, rank_of_fraction
 
 
 class DriftView(NamedTuple):
@@ -68,10 +68,9 @@ def drift_squares(
 
 
 def free_threshold(fisher: Sequence[torch.Tensor], free_fraction: float) -> float:
-    """The k-th smallest Fisher value, k = ceil(free_fraction * n): coordinates at or below it are 'free'.
+    """The k-th smallest Fisher value, k = max(1, ceil(free_fraction * n)): coordinates at or below it are 'free'.
 
-    With ties at the threshold slightly more than `free_fraction` of the coordinates count as free.
+    With ties at the threshold slightly more than `free_fraction` of the coordinates count as free. Selected
+    exactly by streaming over the tensors one at a time (`order_statistics`), never concatenating them.
     """
-    flat = torch.cat([f.detach().reshape(-1).float().cpu() for f in fisher])
-    k = max(1, math.ceil(free_fraction * flat.numel()))
-    return float(torch.kthvalue(flat, k).values)
+    return order_statistics(fisher, lambda n: [rank_of_fraction(free_fraction, n)]).values[0]

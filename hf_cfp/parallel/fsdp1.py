@@ -34,10 +34,6 @@ class FlatPiece:
     stop: int
     trainable: bool = True  # the (flat) parameter holding the piece requires grad
 
-    def fisher(self, fisher: torch.Tensor) -> torch.Tensor:
-        """F restricted to the piece, copied so that only the piece's memory is kept."""
-        return fisher.reshape(-1)[self.start : self.stop].clone()
-
 
 def flat_pieces(model: torch.nn.Module) -> dict[int, FlatPiece]:
     """id(original parameter) -> FlatPiece for every parameter managed by an FSDP1 unit in `model`

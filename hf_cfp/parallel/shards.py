@@ -8,7 +8,7 @@
 - DeepSpeed ZeRO-3: the partition `ds_tensor`, elements [start, start + numel) of the flattened
   parameter.
 
-Binding slices F to the same elements, so correction and drift run on local pieces only.
+Binding reads F at the same elements, so correction and drift run on local pieces only.
 """
 
 import math
@@ -67,12 +67,10 @@ def dtensor_flat_range(param: DTensor) -> tuple[int, int] | None:
     return offset[first] * stride, (offset[first] + shape[first]) * stride
 
 
-def dtensor_local_fisher(name: str, fisher: torch.Tensor, param: DTensor) -> tuple[torch.Tensor, bool]:
-    """(F restricted to this process's shard of the DTensor `param`, whether `param` is sharded).
-
-    The slice F[o_0 : o_0 + n_0, o_1 : o_1 + n_1, ...] with the local shard's shape n and global
-    offset o, copied so that only the shard's memory is kept. Refuses replicated shards (HSDP)
-    and sub-meshes with AnchorMismatchError.
+def dtensor_local_block(name: str, param: DTensor) -> tuple[list[int], list[int], bool]:
+    """(global offsets o, local shape n, whether `param` is sharded): this process's shard of the DTensor
+    `param` is the block full[o_0 : o_0 + n_0, o_1 : o_1 + n_1, ...], and binding reads that block of F.
+    Refuses replicated shards (HSDP) and sub-meshes with AnchorMismatchError.
     """
     placements, mesh = tuple(param.placements), param.device_mesh
     sharded = any(pl.is_shard() for pl in placements)
@@ -84,6 +82,4 @@ def dtensor_local_fisher(name: str, fisher: torch.Tensor, param: DTensor) -> tup
             f"every process, or use DDP."
         )
     shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
-    for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
-        fisher = fisher.narrow(dim, start, length)
-    return fisher.clone(), sharded
+    return list(offset), list(shape), sharded

@@ -2,10 +2,12 @@
 
 Under DDP every process holds full parameters and binds the full F. Under FSDP2, FSDP1 and
 ZeRO-3 a process holds a piece of a parameter (`hf_cfp.parallel.shards`): it binds the slice
-of F at the same offsets, and corrects and measures that piece alone.
+of F at the same offsets, and corrects and measures that piece alone. From an anchor kept in its
+files (`FisherAnchor.from_pretrained(..., lazy=True)`) only those slices are read.
 """
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -13,9 +15,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..anchor import FisherAnchor
+from ..anchor.lazy import fisher_shape, read_block, read_flat
 from ..errors import AnchorMismatchError
 from ..names import canonical_name
-from ..parallel.shards import dtensor_flat_range, dtensor_local_fisher, held_pieces
+from ..parallel.shards import dtensor_flat_range, dtensor_local_block, held_pieces
 from ..quantized import logical_shape
 
 logger = logging.getLogger(__name__)
@@ -75,7 +78,7 @@ def bind_anchor(
     bound: list[BoundTensor] = []
     seen: set[int] = set()
     frozen: list[str] = []
-    for name, fisher in anchor.fisher.items():
+    for name in anchor.fisher:
         param = by_name.get(name)
         if param is None:
             raise AnchorMismatchError(
@@ -85,25 +88,27 @@ def bind_anchor(
             )
         piece = pieces.get(id(param))
         shape = tuple(piece.shape if piece else logical_shape(param))  # a 4-bit weight's own shape is packed
-        if tuple(fisher.shape) != shape:
+        anchor_shape = tuple(fisher_shape(anchor.fisher, name))
+        if anchor_shape != shape:
             raise AnchorMismatchError(
-                f"Anchor {anchor.name!r}: parameter {name!r} has shape {tuple(fisher.shape)} in the anchor "
+                f"Anchor {anchor.name!r}: parameter {name!r} has shape {anchor_shape} in the anchor "
                 f"but {shape} in the model. Was the anchor computed for another model?"
             )
         if not (piece.trainable if piece else param.requires_grad):
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
-            numel = fisher.numel()
-            if piece is not None:
+            numel = math.prod(shape)
+            if piece is not None:  # only the held part of F is read (from the files when the anchor is lazy)
                 held = HeldRange(piece.start, piece.stop, numel)
-                fisher, sharded = piece.fisher(fisher), True
+                fisher, sharded = read_flat(anchor.fisher, name, piece.start, piece.stop), True
             elif isinstance(param, DTensor):
                 start, stop = dtensor_flat_range(param) or (None, None)
                 held = HeldRange(start, stop, numel)
-                fisher, sharded = dtensor_local_fisher(name, fisher, param)
+                offsets, lengths, sharded = dtensor_local_block(name, param)
+                fisher = read_block(anchor.fisher, name, offsets, lengths)
             else:
-                held, sharded = HeldRange(0, numel, numel), False
+                held, sharded, fisher = HeldRange(0, numel, numel), False, anchor.fisher[name]
             bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
     if frozen:
         logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])

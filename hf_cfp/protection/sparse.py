@@ -12,7 +12,7 @@ largest F it drops (lam times it is the strongest pull not applied).
 
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +27,8 @@ def coordinate_threshold(fisher: Sequence[torch.Tensor], share: float) -> float:
 
 def mass_threshold(fisher: Sequence[torch.Tensor], share: float) -> float:
     """The largest t with sum_{F_i > t} F_i >= share * sum_i F_i, by bisection over the bit patterns of
-    non-negative float32 t (which order as the integers they spell): 31 passes over the tensors, one at a time."""
+    non-negative float32 t (which order as the integers they spell): 31 passes over the tensors, one at a time
+    (each a read of the whole anchor: slower than the coordinate share's two passes, `coordinate_threshold`)."""
 
     def above(t: float) -> float:
         return sum(float(f[f > t].double().sum()) for f in fisher)
@@ -61,8 +62,9 @@ class SparseReport:
     covered: int  # protected coordinates
 
 
-def sparse_report(rows: Sequence[Sequence[torch.Tensor | None]], thresholds: Sequence[float]) -> SparseReport:
-    """What the thresholds keep, over full F rows (`rows[i][k]`: anchor k's full F on protected tensor i)."""
+def sparse_report(rows: Iterable[Sequence[torch.Tensor | None]], thresholds: Sequence[float]) -> SparseReport:
+    """What the thresholds keep, over full F rows (`rows[i][k]`: anchor k's full F on protected tensor i), visited
+    one row at a time."""
     kept_mass = [0.0] * len(thresholds)
     total_mass = [0.0] * len(thresholds)
     dropped = [0.0] * len(thresholds)

@@ -5,14 +5,15 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 """
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
 import torch
 
 from ..anchor import FisherAnchor
+from ..anchor.lazy import TensorsOf
 from ..errors import CFPArgumentError, CFPError
-from ..ops import DriftView, budget_terms, drift_squares, free_threshold, proximal_pull_, pull_strength, solve_budget
+from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
@@ -51,21 +52,6 @@ class LiveTheta0:
     def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
         for weight in adapted:
             weight.snapshot = self.snapshots[weight.name]
-
-
-class _Strengths(Sequence[torch.Tensor]):
-    """P = sum_k lam_k F_k of each protected tensor, computed when read (never all held at once)."""
-
-    def __init__(self, rows: list[list[torch.Tensor | None]], lams: Sequence[float]):
-        self.rows, self.lams = rows, lams
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        strength = pull_strength(self.rows[i], self.lams)
-        assert strength is not None  # every protected row has some F
-        return strength
 
 
 class CFPState:
@@ -142,13 +128,18 @@ class CFPState:
         if self.master is not None and self.sparse is not None:
             raise CFPArgumentError("sparse is not supported under DeepSpeed ZeRO yet: use a dense memory plan.")
 
-    def _keep_sparse(self, bound: dict[str, list[BoundTensor]], full_fisher: dict[str, dict]) -> None:
+    def _keep_sparse(self, bound: dict[str, list[BoundTensor]], full_fisher: dict[str, Mapping]) -> None:
         """`sparse` and `sparse_report`: each protecting anchor's threshold over its full F on the trainable
         parameters (the same on every process), and the kept coordinates of this process's protected tensors."""
         pick = coordinate_threshold if self.memory.sparse_by == "coordinates" else mass_threshold
         share = float(self.memory.sparse)  # type: ignore[arg-type]
-        thresholds = [pick([full_fisher[name][t.name] for t in tensors], share) for name, tensors in bound.items()]
-        full_rows = [[full_fisher[a].get(self.names[i]) for a in self.protecting] for i, _ in self.protected]
+        thresholds = [
+            pick(TensorsOf(full_fisher[name], [t.name for t in tensors]), share) for name, tensors in bound.items()
+        ]
+        full_rows = (  # read one parameter at a time
+            [full_fisher[a][self.names[i]] if self.names[i] in full_fisher[a] else None for a in self.protecting]
+            for i, _ in self.protected
+        )
         self.sparse_report = sparse_report(full_rows, thresholds)
         self.sparse = SparseCorrection(
             [local_tensor(self.params[i]) for i, _ in self.protected],
@@ -177,16 +168,19 @@ class CFPState:
         self,
         bound: dict[str, list[BoundTensor]],
         adapted_fisher: dict[str, dict[int, torch.Tensor]],
-        full_fisher: dict[str, dict[str, torch.Tensor]],
+        full_fisher: dict[str, Mapping[str, torch.Tensor]],
         free_fraction: float,
     ) -> None:
         """Per anchor, what its metrics sum over: `views` (indices into params, local F, free-drift threshold)
         and `adapted_views` (adapted weights' F, threshold). The threshold comes from the anchor's full F over
-        every covered parameter that can move: trainable ones and LoRA-adapted ones."""
+        every covered parameter that can move: trainable ones and LoRA-adapted ones, read one tensor at a time
+        (an anchor kept in its files is never loaded whole)."""
         thresholds = {
             name: free_threshold(
-                [full_fisher[name][t.name] for t in tensors]
-                + [full_fisher[name][self.adapted[i].name] for i in adapted_fisher[name]],
+                TensorsOf(
+                    full_fisher[name],
+                    [t.name for t in tensors] + [self.adapted[i].name for i in adapted_fisher[name]],
+                ),
                 free_fraction,
             )
             if tensors or adapted_fisher[name]
@@ -239,7 +233,7 @@ class CFPState:
         """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th and
         the 99.9th percentile of P) over the full-parameter protected tensors (LoRA-adapted weights not counted).
         P is computed a tensor at a time."""
-        strengths = _Strengths([row for _, row in self.protected], lams)
+        strengths = PullStrengths([row for _, row in self.protected], lams)
         count = sum(next(f for f in row if f is not None).numel() for _, row in self.protected)
         if count == 0:
             return 0, 0.0, 0.0, 0.0

@@ -46,6 +46,12 @@ def make_model():
     return tiny_llama(vocab_size=VOCAB, hidden_size=HIDDEN)
 
 
+def per_rank_model():
+    """The model of the per-rank loading test: a Llama of 13.6 M parameters (54 MB of float32 F), big enough
+    that a process's resident memory shows whether it held the whole anchor; vocabulary 8191: uneven shards."""
+    return tiny_llama(vocab_size=8191, hidden_size=512)
+
+
 def make_rows():
     ids = torch.randint(0, VOCAB, (ROWS, LENGTH), generator=torch.Generator().manual_seed(0))
     return [{"input_ids": row, "labels": row.clone()} for row in ids]

@@ -8,11 +8,13 @@ from support.tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState
 
 from hf_cfp import AnchorMismatchError, CFPCallback, FisherAnchor, estimate_fisher
+from hf_cfp.anchor.lazy import LazyFisher
 
 
-def test_callback_accepts_a_directory(tmp_path):
+def test_callback_accepts_a_directory_and_keeps_f_in_the_files(tmp_path):
     anchor_for(tiny_llama()).save_pretrained(tmp_path / "a")
-    assert CFPCallback(str(tmp_path / "a")).anchor.name == "math"
+    anchor = CFPCallback(str(tmp_path / "a")).anchor
+    assert anchor.name == "math" and isinstance(anchor.fisher, LazyFisher)  # read per process as bound
 
 
 def test_an_anchor_of_another_base_model_is_refused(local_hub):
