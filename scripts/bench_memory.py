@@ -19,8 +19,8 @@ after binding), and times, interleaved over rounds (medians):
 then the error of keeping F in bfloat16: two copies of a 500k-parameter bf16 vector follow the same persistent
 noisy proposals for `--steps` steps, one corrected with F in float32, one with F rounded to bf16, and the
 distance between their paths is reported relative to the drift itself; and, in a fresh process, the peak
-resident memory of the anchor's statistics (`fisher_statistics` and
-`concentration`) against the anchor's own size. Last line:
+resident memory of the anchor's statistics (`fisher_statistics`; `concentration` shown too) against the anchor's
+own size. Last line:
 
   RESULT correction_vs_copy=<x> metrics_vs_correction=<y> dense_bytes_per_param=<d> bf16f_bytes_per_param=<b>
          sparse_bytes_per_param=<s> stats_peak_vs_anchor=<t>
@@ -31,7 +31,6 @@ Targets (issue 14): x <= 1.5, y <= 2.0, d <= 6, b <= 4, s <= 0.3, t <= 1.5.
 """
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
@@ -58,8 +57,10 @@ def synchronized(device: torch.device):
 
 
 def stats_worker() -> None:
-    """In this fresh process: an anchor of the model's shape (filled in place), then the statistics' peak."""
+    """In this fresh process: an anchor of the model's shape (filled in place), then the rise of the peak resident
+    set during `fisher_statistics` (computed at every estimation and save) and during `concentration`."""
     from hf_cfp.anchor.statistics import concentration, fisher_statistics
+    from hf_cfp.resident import peak_rss_increase
 
     model = smollm2_135m_shaped()
     shapes = {n: p.shape for n, p in model.named_parameters()}
@@ -67,11 +68,9 @@ def stats_worker() -> None:
     g = torch.Generator().manual_seed(1)
     fisher = {n: torch.empty(s).exponential_(generator=g) for n, s in shapes.items()}
     anchor_bytes = sum(f.nbytes for f in fisher.values())
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    fisher_statistics(fisher)
-    concentration(fisher)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"{anchor_bytes} {peak - before}")
+    _, statistics_peak = peak_rss_increase(lambda: fisher_statistics(fisher))
+    _, concentration_peak = peak_rss_increase(lambda: concentration(fisher))
+    print(f"{anchor_bytes} {statistics_peak} {concentration_peak}")
 
 
 def bf16_fisher_error(steps: int, numel: int = 500_000) -> tuple[float, float]:
@@ -168,9 +167,12 @@ def main():
         text=True,
         check=True,
     )
-    anchor_bytes, extra_peak = (int(v) for v in worker.stdout.split()[-2:])
+    anchor_bytes, extra_peak, concentration_peak = (int(v) for v in worker.stdout.split()[-3:])
     stats_peak = (anchor_bytes + extra_peak) / anchor_bytes
-    print(f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB, extra peak RSS {extra_peak / 1e6:.0f} MB")
+    print(
+        f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB; peak resident set rises {extra_peak / 1e6:.0f} MB during "
+        f"fisher_statistics, {concentration_peak / 1e6:.0f} MB during concentration"
+    )
     result = {
         "correction_vs_copy": median["correction dense"] / median["copy"],
         "metrics_vs_correction": median["metrics dense"] / median["correction dense"],

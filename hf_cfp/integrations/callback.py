@@ -235,7 +235,8 @@ class CFPCallback(TrainerCallback):
                 )
             logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
             if self.protection.sparse_report is not None:
-                logger.info(describe_sparse(self.protection.sparse_report, self.protection.protecting))
+                constant = None if callable(self.strength.lam) or self.strength.scale_with_lr else self.strength.lam
+                logger.info(describe_sparse(self.protection.sparse_report, self.protection.protecting, constant))
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)

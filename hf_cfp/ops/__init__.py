@@ -4,16 +4,16 @@ Imports torch (and `errors`) only, so every other layer (parallel layouts, prote
 """
 
 from .budget import budget_terms, solve_budget
-from .chunks import CHUNK_ELEMENTS, flat, spans
+from .chunks import chunk_elements, flat, spans
 from .correction import AnchorFishers, PullStrengths, proximal_pull_, pull_strength
 from .drift import DriftView, drift_squares, free_threshold
 
 __all__ = [
-    "CHUNK_ELEMENTS",
     "AnchorFishers",
     "DriftView",
     "PullStrengths",
     "budget_terms",
+    "chunk_elements",
     "drift_squares",
     "flat",
     "free_threshold",

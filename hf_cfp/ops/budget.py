@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
-from .chunks import CHUNK_ELEMENTS, spans
+from .chunks import chunk_elements, spans
 from .correction import AnchorFishers, pull_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
@@ -37,7 +37,7 @@ def budget_terms(
     theta0: Sequence[torch.Tensor],
     fishers: AnchorFishers,
     lams: Sequence[float],
-    chunk: int = CHUNK_ELEMENTS,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K]) for the proposal D = params - theta0, computed
     in float32 a span of at most `chunk` elements at a time (the temporaries are a few chunks). `fishers[i][k]`
@@ -47,7 +47,7 @@ def budget_terms(
         for param, start, row in zip(params, theta0, fishers, strict=True):
             param_flat, start_flat = param.reshape(-1), start.reshape(-1)
             rows = [f.reshape(-1) if f is not None else None for f in row]
-            for span in spans(param_flat.numel(), chunk):
+            for span in spans(param_flat.numel(), chunk or chunk_elements(param.device)):
                 pieces = [f[span] if f is not None else None for f in rows]
                 strength = pull_strength(pieces, lams)
                 if strength is None:

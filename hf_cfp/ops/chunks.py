@@ -6,7 +6,15 @@ from collections.abc import Iterator
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 18  # 256 Ki elements: 1 MB per float32 buffer (fits a core's L2 cache)
+CHUNK_ELEMENTS = 1 << 18  # on a CPU, 256 Ki elements: 1 MB per float32 buffer (fits a core's L2 cache)
+ACCELERATOR_CHUNK_ELEMENTS = 1 << 24  # on a GPU, 16 Mi elements (64 MB): few kernel launches per tensor
+
+
+def chunk_elements(device: torch.device) -> int:
+    """The span length for work on `device`: cache-sized on a CPU, launch-amortizing on an accelerator."""
+    return CHUNK_ELEMENTS if device.type == "cpu" else ACCELERATOR_CHUNK_ELEMENTS
+
+
 _WORKSPACES: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
 
 

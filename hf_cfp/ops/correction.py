@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .chunks import CHUNK_ELEMENTS, flat, spans, workspace
+from .chunks import chunk_elements, flat, spans, workspace
 
 # Per protected tensor, the F of each protecting anchor on it (None where that anchor does not cover it).
 AnchorFishers = Sequence[Sequence[torch.Tensor | None]]
@@ -58,21 +58,23 @@ def proximal_pull_(
     theta0: Sequence[torch.Tensor],
     fishers: AnchorFishers,
     lams: Sequence[float],
-    chunk: int = CHUNK_ELEMENTS,
+    chunk: int | None = None,
 ) -> None:
     """In place, on every tensor: params <- theta0 + (params - theta0) / (1 + P), P = sum_k lam_k F_k
     (`fishers[i][k]`: anchor k's F on `params[i]`, or None).
 
-    Any floating dtypes (F and theta0 need not match the parameter's): each span of at most `chunk` elements is
-    computed in float32 buffers (`workspace`) and written back once, so the temporaries are three chunks, never
-    the model. `params` must be contiguous (written through a flat view); theta0 and F must be on its device.
+    Any floating dtypes (F and theta0 need not match the parameter's): each span of at most `chunk` elements
+    (default `chunk_elements(device)`) is computed in float32 buffers (`workspace`) and written back once, so the
+    temporaries are three chunks, never the model. `params` must be contiguous (written through a flat view);
+    theta0 and F must be on its device.
     """
     with torch.no_grad():
         for param, start, row in zip(params, theta0, fishers, strict=True):
             param_flat, start_flat = flat(param), start.reshape(-1)
             rows = [f.reshape(-1) if f is not None else None for f in row]
-            relief_buffer, delta_buffer, origin_buffer = workspace(param.device, 3, chunk)
-            for span in spans(param_flat.numel(), chunk):
+            length = chunk or chunk_elements(param.device)
+            relief_buffer, delta_buffer, origin_buffer = workspace(param.device, 3, length)
+            for span in spans(param_flat.numel(), length):
                 size = span.stop - span.start
                 relief = pull_strength([f[span] if f is not None else None for f in rows], lams, relief_buffer[:size])
                 if relief is None:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .chunks import CHUNK_ELEMENTS, spans, workspace
+from .chunks import chunk_elements, spans, workspace
 from .order_statistics import order_statistics, rank_of_fraction
 
 
@@ -29,16 +29,16 @@ def drift_squares(
     params: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor | None],
     views: Sequence[DriftView],
-    chunk: int = CHUNK_ELEMENTS,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """float64 [1 + 2 V] on the CPU: sum_i Delta_i^2, then per view v, sum_i F_i Delta_i^2 and the sum of
     Delta_i^2 over its coordinates with F_i <= threshold, Delta = params - theta0, both sums of a view running
     over the tensors it covers (a None theta0 is 0: Delta = params).
 
     theta0 and F may live on another device than the parameter (offloaded to the CPU) and in any floating
-    dtype: each span of at most `chunk` elements is copied into float32 buffers on the parameter's device
-    (`workspace`), so the temporaries are three chunks, never the model. Each chunk's sums are float32, added up
-    in float64 per device.
+    dtype: each span of at most `chunk` elements (default `chunk_elements(device)`) is copied into float32
+    buffers on the parameter's device (`workspace`), so the temporaries are three chunks, never the model. Each
+    chunk's sums are float32, added up in float64 per device.
     """
     if any(len(view.fishers) != len(params) for view in views):
         raise ValueError(f"drift_squares: every view needs one F (or None) per tensor, {len(params)} tensors.")
@@ -50,8 +50,9 @@ def drift_squares(
             param_flat = param.reshape(-1)
             start_flat = start.reshape(-1) if start is not None else None
             covering = [(v, f.reshape(-1)) for v, view in enumerate(views) if (f := view.fishers[i]) is not None]
-            square_buffer, origin_buffer, product_buffer = workspace(device, 3, chunk)
-            for span in spans(param_flat.numel(), chunk):
+            length = chunk or chunk_elements(device)
+            square_buffer, origin_buffer, product_buffer = workspace(device, 3, length)
+            for span in spans(param_flat.numel(), length):
                 size = span.stop - span.start
                 square = square_buffer[:size].copy_(param_flat[span])
                 if start_flat is not None:

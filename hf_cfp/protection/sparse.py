@@ -84,17 +84,21 @@ def sparse_report(rows: Iterable[Sequence[torch.Tensor | None]], thresholds: Seq
     return SparseReport(list(thresholds), shares, dropped, kept, covered)
 
 
-def describe_sparse(report: SparseReport, anchors: Sequence[str]) -> str:
+def describe_sparse(report: SparseReport, anchors: Sequence[str], lams: Sequence[float] | None = None) -> str:
     """One line: how many protected coordinates are corrected, and per anchor the mass kept and the largest F
-    dropped."""
+    dropped (with constant `lams`, the largest lam F dropped: the strongest pull left out)."""
+    dropped = [
+        f"largest F dropped {f:.3g}" + (f" (lam F = {f * lams[k]:.3g})" if lams is not None else "")
+        for k, f in enumerate(report.largest_dropped)
+    ]
     per_anchor = "; ".join(
-        f"{name!r} keeps {kept:.1%} of its mass, largest F dropped {dropped:.3g}"
-        for name, kept, dropped in zip(anchors, report.mass_kept, report.largest_dropped, strict=True)
+        f"{name!r} keeps {kept:.1%} of its mass, {left}"
+        for name, kept, left in zip(anchors, report.mass_kept, dropped, strict=True)
     )
     share = report.kept / report.covered if report.covered else 0.0
     return (
         f"CFP sparse: correcting {report.kept:,} of {report.covered:,} protected coordinates ({share:.2%}); "
-        f"{per_anchor} (lam times it is the strongest pull left out)."
+        f"{per_anchor}. Every other coordinate keeps the optimizer's proposal."
     )
 
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_cfp import FisherAnchor
 from hf_cfp.errors import CFPArgumentError
-from hf_cfp.protection import CFPState, LiveTheta0, MemoryPlan
+from hf_cfp.protection import CFPState, LiveTheta0, MemoryPlan, describe_sparse
 from hf_cfp.protection.sparse import coordinate_threshold, mass_threshold
 
 
@@ -77,6 +77,7 @@ def test_sparse_corrects_the_top_coordinates_only_and_keeps_metrics_exact():
     sparse.correct(2.0)
     dense.correct(2.0)
     values = torch.cat([f.reshape(-1) for f in anchor.fisher.values()])
+    numel_all = values.numel()
     threshold = float(values.sort().values[math.ceil((1 - share) * values.numel()) - 1])  # by enumeration
     kept = 0
     for (name, p), (_, q) in zip(model.named_parameters(), twin.named_parameters(), strict=True):
@@ -89,6 +90,8 @@ def test_sparse_corrects_the_top_coordinates_only_and_keeps_metrics_exact():
     report = sparse.sparse_report
     assert report.mass_kept[0] == pytest.approx(float(values[values > threshold].sum() / values.sum()), rel=1e-6)
     assert report.largest_dropped[0] == float(values[values <= threshold].max())
+    line = describe_sparse(report, ["math"], [2.0])
+    assert f"correcting {kept:,} of {numel_all:,}" in line and f"lam F = {2.0 * report.largest_dropped[0]:.3g}" in line
     # the metrics run over theta0 and F offloaded (here CPU -> CPU) and equal a float64 loop
     metrics = sparse.drift_metrics()
     total = sum(float(((p.double() - theta0[n].double()) ** 2).sum()) for n, p in model.named_parameters())
