@@ -173,6 +173,13 @@ def main():
         f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB; peak resident set rises {extra_peak / 1e6:.0f} MB during "
         f"fisher_statistics, {concentration_peak / 1e6:.0f} MB during concentration"
     )
+    # Bytes each pass must move per parameter (bf16): copy reads and writes it (2 + 2); the dense correction reads
+    # the parameter and theta0 (2 + 2) and F (4; 2 with bf16 F) and writes the parameter (2). Sparse: not counted.
+    moved = {"copy": 4, "correction dense": 10, "correction bf16f": 8}
+    print(
+        "BANDWIDTH "
+        + " ".join(f"{k.replace(' ', '_')}={b * numel / median[k] / 1e9:.1f}GB/s" for k, b in moved.items())
+    )
     result = {
         "correction_vs_copy": median["correction dense"] / median["copy"],
         "metrics_vs_correction": median["metrics dense"] / median["correction dense"],

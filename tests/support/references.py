@@ -70,3 +70,42 @@ def train_a_little(model, seed=0, scale=0.05):
     for p in model.parameters():
         if p.requires_grad:
             p.add_(scale * torch.randn(p.shape, generator=gen).to(p.device))
+
+
+class StepReference(TrainerCallback):
+    """Checks every step's correction against the formula in float64, applied to the proposal the
+    optimizer actually made in this run (so CPU-dependent bf16 kernels change the proposal, not the
+    check). Runs after CFPCallback's on_step_end. The model may be on any device: the check runs on float64
+    CPU copies. `fisher` is the F the correction should apply (zero where a coordinate is left uncorrected).
+
+    Bound per element, from the formats alone: CFP computes lerp(p, t0, w) in float32 (w rounded
+    once, the lerp a few roundings of magnitude |p| + |t0|), then casts to the parameter dtype once:
+    |got - expected| <= ulp_dtype(expected) + 4 eps32 (|p| + |t0|), with eps32 = 2^-23."""
+
+    EPS32 = torch.finfo(torch.float32).eps
+
+    def __init__(self, fisher, lam):
+        self.fisher, self.lam = fisher, lam
+        self.steps = self.violations = self.exact = self.checked = 0
+        self.largest_gap_over_bound = 0.0
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.theta0 = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+
+    def on_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.proposal = {n: p.detach().double().cpu() for n, p in model.named_parameters()}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps += 1
+        for n, p in model.named_parameters():
+            t0, proposal = self.theta0[n], self.proposal[n]
+            exact = t0 + (proposal - t0) / (1 + self.lam * self.fisher[n].double())
+            expected = exact.to(p.dtype).double()
+            ulp = torch.finfo(p.dtype).eps * expected.abs().clamp_min(torch.finfo(p.dtype).tiny)
+            bound = ulp + 4 * self.EPS32 * (proposal.abs() + t0.abs())
+            got = p.detach().double().cpu()
+            gap = (got - expected).abs()
+            self.violations += int((gap > bound).sum())
+            self.largest_gap_over_bound = max(self.largest_gap_over_bound, float((gap / bound).max()))
+            self.exact += int(torch.equal(got, expected))
+            self.checked += 1
