@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
-from .chunks import chunk_elements, spans
+from .chunks import chunk_elements, spans, workspace
 from .correction import AnchorFishers, pull_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
@@ -39,27 +39,34 @@ def budget_terms(
     lams: Sequence[float],
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K]) for the proposal D = params - theta0, computed
-    in float32 a span of at most `chunk` elements at a time (the temporaries are a few chunks). `fishers[i][k]`
-    is anchor k's F on `params[i]`, or None."""
-    terms = torch.zeros(2, len(lams), dtype=torch.float64)
+    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K], on the CPU) for the proposal D = params - theta0,
+    computed in reused float32 buffers a span of at most `chunk` elements at a time (`workspace`; default
+    `chunk_elements(device)`), each chunk's float32 sums added up in float64 on the parameter's device (no
+    synchronization per chunk). `fishers[i][k]` is anchor k's F on `params[i]`, or None."""
+    sums: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
         for param, start, row in zip(params, theta0, fishers, strict=True):
+            device = param.device
+            acc = sums.setdefault(device, torch.zeros(2, len(lams), dtype=torch.float64, device=device))
             param_flat, start_flat = param.reshape(-1), start.reshape(-1)
             rows = [f.reshape(-1) if f is not None else None for f in row]
-            for span in spans(param_flat.numel(), chunk or chunk_elements(param.device)):
+            length = chunk or chunk_elements(device)
+            relief_buffer, shrunk_buffer, weighted_buffer = workspace(device, 3, length)
+            for span in spans(param_flat.numel(), length):
+                size = span.stop - span.start
                 pieces = [f[span] if f is not None else None for f in rows]
-                strength = pull_strength(pieces, lams)
-                if strength is None:
+                relief = pull_strength(pieces, lams, relief_buffer[:size])
+                if relief is None:
                     continue
-                relief = strength.add_(1.0)  # 1 + P
-                shrunk_sq = ((param_flat[span].float() - start_flat[span]) / relief).square_()  # (D / (1 + P))^2
+                relief.add_(1.0)  # 1 + P
+                shrunk = shrunk_buffer[:size].copy_(param_flat[span]).sub_(start_flat[span]).div_(relief)
+                shrunk.square_()  # (D / (1 + P))^2
                 for k, fisher in enumerate(pieces):
                     if fisher is not None:
-                        weighted = shrunk_sq * fisher
-                        terms[0, k] += 0.5 * float(weighted.sum(dtype=torch.float64))
-                        terms[1, k] -= float(weighted.mul_(fisher).div_(relief).sum(dtype=torch.float64))
-    return terms
+                        weighted = torch.mul(shrunk, fisher, out=weighted_buffer[:size])  # F D^2 / (1 + P)^2
+                        acc[0, k] += 0.5 * weighted.sum()
+                        acc[1, k] -= weighted.mul_(fisher).div_(relief).sum()
+    return sum((acc.cpu() for acc in sums.values()), torch.zeros(2, len(lams), dtype=torch.float64))
 
 
 def solve_budget(
