@@ -13,16 +13,7 @@ from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import (
-    CFPState,
-    LiveTheta0,
-    MemoryPlan,
-    SavedTheta0,
-    describe_sparse,
-    has_saved_theta0,
-    peft_view,
-    save_theta0,
-)
+from ..protection import CFPState, LiveTheta0, MemoryPlan, SavedTheta0, has_saved_theta0, peft_view, save_theta0
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
@@ -235,8 +226,7 @@ class CFPCallback(TrainerCallback):
                 )
             logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
             if self.protection.sparse_report is not None:
-                constant = None if callable(self.strength.lam) or self.strength.scale_with_lr else self.strength.lam
-                logger.info(describe_sparse(self.protection.sparse_report, self.protection.protecting, constant))
+                logger.info(self.strength.describe_sparse(self.protection))
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -292,14 +282,7 @@ class CFPCallback(TrainerCallback):
 
     def _bind(self, model, anchors: Sequence[FisherAnchor], optimizer, theta0) -> CFPState:
         return CFPState(
-            model,
-            anchors,
-            self.monitors,
-            self.free_fraction,
-            optimizer,
-            theta0=theta0,
-            lora_rule=self.lora_rule,
-            memory=self.memory,
+            model, anchors, self.monitors, self.free_fraction, optimizer, theta0, self.lora_rule, self.memory
         )
 
     def on_optimizer_step(

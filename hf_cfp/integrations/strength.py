@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CFPArgumentError
-from ..protection import CFPState
+from ..protection import CFPState, describe_sparse
 
 LamSchedule = Callable[[int], "float | Sequence[float]"]
 
@@ -88,6 +88,13 @@ class Strength:
             f"{_settle(learning_rate, p99)} at the 99th percentile of lam F, {_settle(learning_rate, p999)} at the "
             "99.9th."
         )
+
+    def describe_sparse(self, protection: CFPState) -> str:
+        """The sparse plan's line (`protection.sparse.describe_sparse`), with the largest lam F dropped when lam is
+        a constant."""
+        assert protection.sparse_report is not None  # a sparse plan
+        constant = None if callable(self.lam) or self.scale_with_lr else self.lam
+        return describe_sparse(protection.sparse_report, protection.protecting, constant)
 
 
 def _settle(step: float, pull: float) -> str:
