@@ -28,7 +28,9 @@ def pull_strength(
     strength = None
     for fisher, lam in zip(fishers, lams, strict=True):
         if fisher is not None:
-            if strength is None:
+            if strength is None and out is not None and fisher.dtype == torch.float32:
+                strength = torch.mul(fisher.reshape(out.shape), float(lam), out=out)  # one pass
+            elif strength is None:  # a bf16 F is widened first: multiplied in bf16 it would be rounded
                 strength = out.copy_(fisher.reshape(out.shape)) if out is not None else fisher.float().clone()
                 strength.mul_(float(lam))
             else:
