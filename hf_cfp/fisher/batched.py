@@ -11,10 +11,16 @@ b only, since the sequences of a batch do not interact). So the engine
 
 1. pads the batch (right padding, attention mask, explicit position ids) and runs one forward
    with hooks that keep each covered module's input and output;
-2. calls ``torch.autograd.grad(sum_b log mu_b, outputs)`` -- gradients with respect to the
-   captured *outputs* only, so autograd skips the weight-gradient products of a normal backward;
-3. per parameter, forms G_b from (a_b, g_b) for a chunk of sequences, squares, adds into the
-   float32 accumulator and discards the chunk (`per_sequence_grads`, which states the G_b formulas).
+2. backpropagates sum_b log mu_b to the captured *outputs* only, so autograd skips the
+   weight-gradient products of a normal backward; a tensor hook on each output receives g as soon
+   as autograd has it;
+3. per parameter, once the last of its uses has arrived, forms G_b from (a_b, g_b) for a chunk of
+   sequences, squares, adds into the float32 accumulator and discards the chunk
+   (`per_sequence_grads`, which states the G_b formulas), then releases those (a, g).
+
+Memory beyond a plain forward + backward: the float32 accumulators, one chunk of per-sequence
+gradients (`memory.default_chunk_elements`), and the (a, g) of parameters still waiting for a use
+(a tied lm_head's, until the embedding's gradient arrives at the end of the backward).
 
 Covered modules (`module_kinds` states what each kind means): ``nn.Linear`` (LoRA's included), GPT-2
 ``Conv1D``, ``nn.Embedding`` and constant-scaled subclasses (Gemma's), and affine norms with a 1-D
@@ -43,8 +49,9 @@ import torch
 from torch import nn
 
 from ..errors import CFPArgumentError
+from .backward import Consumer
+from .memory import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
-from .per_sequence_grads import Use, accumulate
 from .sampling import Sampler
 from .scoring import PaddedBatch, add_squared_score, sequence_log_prob
 
@@ -63,7 +70,7 @@ def add_batched_squared_scores(
     responses: list[list[int]],
     sampler: Sampler,
     pad_id: int = 0,
-    max_chunk_elements: int = 2**26,
+    max_chunk_elements: int | None = None,
     supports: list[torch.Tensor | None] | None = None,
 ) -> None:
     """accumulators[i] += sum_b (d/dparams[i] log mu(y_b | x_b))^2, exactly, for B sequences in one
@@ -82,7 +89,9 @@ def add_batched_squared_scores(
         sampler: the distribution mu whose log-probability is differentiated.
         pad_id: token id written into padding positions (they are masked out of the score).
         max_chunk_elements: sequences are processed in chunks so that one chunk's per-sequence
-            gradient of a parameter has at most this many elements (at least one sequence).
+            gradient of a parameter has at most this many elements (at least one sequence); the
+            result does not depend on it. None (default): chosen from the memory available when
+            the backward starts (`memory.default_chunk_elements`).
         supports: the support of mu each response token was drawn from, packed, one entry per
             response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
             A response token of probability 0 under mu raises CFPArgumentError.
@@ -115,19 +124,12 @@ def add_batched_squared_scores(
     _log_fallback(model, params, fallback)
 
     calls = [c for c in calls if c.reachable and any(i not in fallback for i in owners[c.module][1].values())]
-    grads = torch.autograd.grad(total, [c.out for c in calls], allow_unused=True) if calls else ()
-    del total
-    uses: dict[int, list[Use]] = {}
-    for call, grad in zip(calls, grads, strict=True):
-        kind, own = owners[call.module]
-        for role, i in own.items():
-            if i not in fallback and grad is not None:
-                uses.setdefault(i, []).append(Use(kind, role, call.x.detach(), grad, call.module))
-    del calls, grads
-    with torch.no_grad():  # the captured activations still carry the forward graph
-        for i, param_uses in uses.items():
-            accumulate(accumulators[i], param_uses, batch.size, max_chunk_elements)
-    del uses
+    del tracer  # its record of the calls left out is not needed
+    if max_chunk_elements is None:
+        max_chunk_elements = default_chunk_elements(batch.ids.device)
+    if calls:
+        Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements).backward(total)
+    del total, calls
 
     if fallback:  # the plain, exact loop, for the parameters the hooks cannot handle
         fb = sorted(fallback)

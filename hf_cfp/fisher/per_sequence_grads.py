@@ -11,7 +11,7 @@ respect to the module's output there (module kinds: `module_kinds`). Then
 - embedding, y_t = c W[i_t]:               G[b] = c sum_t e_{i_{b,t}} g_{b,t}^T (rows sequence b uses)
 
 `accumulate` sums the G_b of all uses of one parameter per sequence, squares, and adds
-sum_b G_b^2 into the float32 accumulator, a chunk of sequences at a time.
+sum_b G_b^2 into the float32 accumulator, a chunk of sequences at a time, in place.
 """
 
 from dataclasses import dataclass
@@ -98,26 +98,40 @@ def _embedding_rows(module: nn.Embedding, ids: torch.Tensor, g: torch.Tensor):
 
 def accumulate(acc: torch.Tensor, uses: list[Use], batch_size: int, max_chunk_elements: int) -> None:
     """acc += sum_b (sum_u G_{u,b})^2: the uses of one parameter are summed per sequence before squaring,
-    in chunks of sequences whose per-sequence gradients hold at most max_chunk_elements elements."""
+    in chunks of sequences whose per-sequence gradients hold at most max_chunk_elements elements (at
+    least one sequence). Squares are added one sequence at a time, in sequence order, so the result
+    does not depend on the chunk size, bit for bit."""
     sparse = all(use.sparse for use in uses)
     per_sequence = max(use.per_sequence_size(acc.numel()) for use in uses) if sparse else acc.numel()
     step = max(1, max_chunk_elements // max(1, per_sequence))
     for b0 in range(0, batch_size, step):
         b1 = min(batch_size, b0 + step)
-        if sparse:  # only the rows the sequences use: sum rows per (sequence, row) key, square, scatter-add
-            parts = [use.rows(b0, b1) for use in uses]
-            keys = torch.cat([k for k, _ in parts])
-            unique, inverse = keys.unique(return_inverse=True)
-            summed = torch.zeros(len(unique), acc.shape[-1], dtype=torch.float32, device=acc.device)
-            summed.index_add_(0, inverse, torch.cat([r for _, r in parts]))
-            acc.index_add_(0, unique % acc.shape[0], summed.square_())
-            continue
-        dense = [use for use in uses if not use.sparse]
-        total = dense[0].dense(b0, b1)
-        for use in dense[1:]:
-            total.add_(use.dense(b0, b1))
-        for use in uses:  # a tied embedding: its rows are added into lm_head's dense per-sequence gradient
-            if use.sparse:
-                keys, rows = use.rows(b0, b1)
-                total.view(-1, acc.shape[-1]).index_add_(0, keys, rows)
-        acc.add_(total.square_().sum(0))
+        if sparse:
+            _add_sparse_squares(acc, [use.rows(b0, b1) for use in uses])
+        else:
+            _add_dense_squares(acc, uses, b0, b1)
+
+
+def _add_sparse_squares(acc: torch.Tensor, parts) -> None:
+    """Embeddings: sum the rows per (sequence, row) key, square, scatter-add into acc (keys sorted,
+    sequence-major, so each row of acc receives its sequences' squares in sequence order)."""
+    keys = torch.cat([k for k, _ in parts])
+    unique, inverse = keys.unique(return_inverse=True)
+    summed = torch.zeros(len(unique), acc.shape[-1], dtype=torch.float32, device=acc.device)
+    summed.index_add_(0, inverse, torch.cat([r for _, r in parts]))
+    acc.index_add_(0, unique % acc.shape[0], summed.square_())
+
+
+def _add_dense_squares(acc: torch.Tensor, uses: list[Use], b0: int, b1: int) -> None:
+    """acc += G_b^2 for b in [b0, b1), G_b the sum of the dense uses' per-sequence gradients plus the
+    rows of a tied embedding's uses (added into lm_head's G_b before squaring)."""
+    dense = [use for use in uses if not use.sparse]
+    total = dense[0].dense(b0, b1)
+    for use in dense[1:]:
+        total.add_(use.dense(b0, b1))
+    for use in uses:
+        if use.sparse:
+            keys, rows = use.rows(b0, b1)
+            total.view(-1, acc.shape[-1]).index_add_(0, keys, rows)
+    for g in total:
+        acc.addcmul_(g, g)

@@ -24,6 +24,7 @@ from support.references import ref_sequence_score
 from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, estimate_fisher
+from hf_cfp.fisher.estimate import _scoring_groups
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 
 N_MC = 2000
@@ -597,3 +598,29 @@ def test_a_model_that_cannot_generate_gets_a_clear_error(model, words, estimator
 def test_a_model_without_a_kv_cache_gets_a_clear_error_when_sampling():
     with pytest.raises(CFPArgumentError, match="no KV cache"):
         _estimate_text(_NoCache(), tiny_tokenizer())
+
+
+def test_scoring_groups_follow_the_token_budget():
+    """Groups of consecutive sequences with (count x longest length) <= scoring_tokens, at most batch_size,
+    checked against a brute-force reading of the rule; a sequence over the budget is alone."""
+    lengths = [(3, 5), (2, 2), (6, 20), (1, 1), (2, 3), (4, 4), (1, 2)]  # (prompt, response) lengths
+    prompts = [[1] * p for p, _ in lengths]
+    responses = [[2] * r for _, r in lengths]
+    groups = _scoring_groups(prompts, responses, batch_size=3, scoring_tokens=16)
+    assert groups == [slice(0, 2), slice(2, 3), slice(3, 5), slice(5, 7)]
+    for group in groups:
+        size = group.stop - group.start
+        width = max(p + r for p, r in lengths[group])
+        assert size == 1 or (size <= 3 and size * width <= 16)
+    assert [slice(0, 3), slice(3, 6), slice(6, 7)] == _scoring_groups(prompts, responses, 3, 10**6)
+
+
+def test_scoring_tokens_do_not_change_the_anchor_beyond_rounding():
+    """One sequence per forward and the whole batch per forward score the same draws: equal to float rounding."""
+    model = tiny_llama(vocab_size=16, hidden_size=8).eval()
+    prompts = [[1, 2], [3], [4, 5, 6], [7]]
+    kwargs = dict(num_sequences=8, max_new_tokens=5, batch_size=4, seed=1, show_progress=False)
+    one = estimate_fisher(model, None, prompts, scoring_tokens=1, **kwargs)
+    whole = estimate_fisher(model, None, prompts, scoring_tokens=10**6, **kwargs)
+    for name, f in whole.fisher.items():
+        assert torch.allclose(one.fisher[name], f, rtol=1e-5, atol=1e-12 * float(f.abs().max())), name
