@@ -156,7 +156,7 @@ def main(argv=None) -> None:
     estimate.add_argument("--max-new-tokens", type=int, default=256)
     estimate.add_argument("--batch-size", type=int, default=8, help="sequences sampled together")
     estimate.add_argument(
-        "--scoring-tokens", type=int, default=512, help="padded tokens scored per forward + backward (memory)"
+        "--scoring-tokens", type=int, default=256, help="padded tokens scored per forward + backward (memory)"
     )
     estimate.add_argument("--seed", type=int, default=0)
     estimate.add_argument("--temperature", type=float, default=1.0)

@@ -43,7 +43,7 @@ def estimate_fisher(
     trainable_only: bool = True,
     eos_token_id: int | list[int] | None = None,
     show_progress: bool = True,
-    scoring_tokens: int = 512,
+    scoring_tokens: int = 256,
 ) -> FisherAnchor:
     """Estimate the diagonal output Fisher of `model` on a capability's prompts.
 
