@@ -122,15 +122,14 @@ class SparseCorrection:
         rows: Sequence[Sequence[torch.Tensor | None]],
         thresholds: Sequence[float],
     ):
-        self.params = list(params)
         self.indices: list[torch.Tensor] = []
         self.theta0: list[torch.Tensor] = []
         self.rows: list[list[torch.Tensor | None]] = []
         for param, start, row in zip(params, theta0, rows, strict=True):
             index = _kept_indices(row, thresholds)
             device = param.device
-            self.theta0.append(flat(start)[index].to(device))
-            self.rows.append([flat(f)[index].to(device) if f is not None else None for f in row])
+            self.theta0.append(start.reshape(-1)[index].to(device))
+            self.rows.append([f.reshape(-1)[index].to(device) if f is not None else None for f in row])
             small = param.numel() < 2**31
             self.indices.append(index.to(device, torch.int32 if small else torch.int64))
 
@@ -146,7 +145,7 @@ class SparseCorrection:
 
 def _kept_indices(row: Sequence[torch.Tensor | None], thresholds: Sequence[float]) -> torch.Tensor:
     """Flat indices (int64, on F's device) of the coordinates some anchor keeps, found a span at a time."""
-    flats = [flat(f) if f is not None else None for f in row]
+    flats = [f.reshape(-1) if f is not None else None for f in row]
     numel = next(f for f in flats if f is not None).numel()
     found = [
         _kept([f[span] if f is not None else None for f in flats], thresholds).nonzero().squeeze(1) + span.start
