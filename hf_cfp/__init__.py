@@ -17,7 +17,7 @@ from .errors import (
 )
 from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
 from .fisher import estimate_fisher
-from .integrations import CFPCallback, KLToBaseCallback
+from .integrations import CFP, CFPCallback, KLToBaseCallback
 from .protection import CFPState
 from .version import __version__
 
@@ -26,6 +26,7 @@ __all__ = [
     "AnchorMismatchError",
     "AnchorNotFoundError",
     "AnchorValidationError",
+    "CFP",
     "CFPArgumentError",
     "CFPCallback",
     "CFPError",

@@ -3,5 +3,6 @@ and resolving what a user passes as an anchor (object, directory, Hub reference)
 
 from .callback import CFPCallback
 from .kl_callback import KLToBaseCallback
+from .loop import CFP
 
-__all__ = ["CFPCallback", "KLToBaseCallback"]
+__all__ = ["CFP", "CFPCallback", "KLToBaseCallback"]

@@ -17,7 +17,7 @@ from ..protection import CFPState, LiveTheta0, MemoryPlan, SavedTheta0, has_save
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
-from .strength import LamSchedule, Strength
+from .strength import LamSchedule, Strength, first_lr
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ class CFPCallback(TrainerCallback):
         # loop driving the callback may pass no TrainerControl: then no adapter residual is measured)
         logs = bool(getattr(control, "should_log", False))
         lams = self.strength.lams(
-            state.global_step, self._step_lr or _first_lr(kwargs.get("optimizer")), self.protection
+            state.global_step, self._step_lr or first_lr(kwargs.get("optimizer")), self.protection
         )
         self.protection.correct(lams, measure_residual=logs)
         if self.recheck.due(state.global_step):
@@ -289,7 +289,7 @@ class CFPCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         # after optimizer.step() and before the scheduler moves on: the learning rate this step was taken with
-        self._step_lr = _first_lr(kwargs.get("optimizer"))
+        self._step_lr = first_lr(kwargs.get("optimizer"))
 
     def _check_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Refuse parameters added to the optimizer after bind: theta0 and F were taken for the
@@ -339,9 +339,3 @@ def _optimizer_size(optimizer: torch.optim.Optimizer | None) -> tuple[int, int] 
 def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
     """Where the Trainer writes (and by default resumes) the checkpoint of the current step."""
     return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-
-
-def _first_lr(optimizer: torch.optim.Optimizer | None) -> float | None:
-    """The first param group's learning rate (None without a torch-style optimizer)."""
-    groups = getattr(optimizer, "param_groups", None)
-    return float(groups[0]["lr"]) if groups else None

@@ -97,6 +97,12 @@ class Strength:
         return describe_sparse(protection.sparse_report, protection.protecting, constant)
 
 
+def first_lr(optimizer: Any) -> float | None:
+    """The first param group's learning rate (None without a torch-style optimizer)."""
+    groups = getattr(optimizer, "param_groups", None)
+    return float(groups[0]["lr"]) if groups else None
+
+
 def _settle(step: float, pull: float) -> str:
     """The fixed point d / P of a persistent step d under the pull P."""
     return f"{step / pull:.3g}" if pull > 0 else "no limit (no pull)"
