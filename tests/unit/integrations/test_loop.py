@@ -1,6 +1,8 @@
 """The loop API `CFP` against CFPCallback in a Trainer run, and its state_dict round trip."""
 
 import copy
+import runpy
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from hf_cfp import CFP, CFPCallback, FisherAnchor
 from hf_cfp.errors import CFPError
 
 STEPS, LAM = 4, 10.0
+EXAMPLE = Path(__file__).parents[3] / "scripts" / "examples" / "accelerate_loop.py"
 
 
 def test_loop_api_follows_the_callbacks_trainer_run(tmp_path):
@@ -76,3 +79,16 @@ def test_state_dict_for_another_model_is_a_clear_error():
     with pytest.raises(CFPError, match="no theta0"):
         protector.load_state_dict(state)
     assert isinstance(protector.anchors[0], FisherAnchor)
+
+
+def test_the_accelerate_loop_example_runs_and_reports_the_drift_of_its_path():
+    """scripts/examples/accelerate_loop.py as written: five protected steps, and its last metrics equal the float64
+    drift of its final weights from a fresh tiny_llama() (its theta0)."""
+    namespace = runpy.run_path(str(EXAMPLE), run_name="__main__")
+    assert namespace["protector"].steps == 5
+    theta0 = dict(tiny_llama().named_parameters())
+    model = namespace["accelerator"].unwrap_model(namespace["model"])
+    deltas = {n: p.detach() - theta0[n].detach() for n, p in model.named_parameters()}
+    reference = drift_reference(deltas, namespace["anchor"].fisher, "math")
+    metrics = namespace["metrics"]
+    assert all(metrics[k] == pytest.approx(v, rel=1e-5) for k, v in reference.items())
