@@ -18,6 +18,7 @@ from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 from .strength import LamSchedule, Strength, first_lr
+from .trace import record_trace
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +228,7 @@ class CFPCallback(TrainerCallback):
             logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
             if self.protection.sparse_report is not None:
                 logger.info(self.strength.describe_sparse(self.protection))
+            record_trace(model, anchors, self.strength.as_trace())
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -314,6 +316,10 @@ class CFPCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.protection is not None:
             save_theta0(self.protection, _checkpoint_dir(args, state))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        if self.protection is not None:  # the final drift, in the config saved with the trained model
+            record_trace(kwargs["model"], self.anchors, self.strength.as_trace(), self.protection.drift_metrics())  # type: ignore[arg-type]
 
     def on_log(
         self,

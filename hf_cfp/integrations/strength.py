@@ -89,6 +89,13 @@ class Strength:
             "99.9th."
         )
 
+    def as_trace(self) -> dict[str, Any]:
+        """The strength as recorded in a trained model's config: {"lam": [...] or "schedule", "scale_lam_with_lr"}
+        or {"kl_budget": [...]} (`trace.record_trace`)."""
+        if self.kl_budget is not None:
+            return {"kl_budget": list(self.kl_budget)}
+        return {"lam": "schedule" if callable(self.lam) else list(self.lam), "scale_lam_with_lr": self.scale_with_lr}
+
     def describe_sparse(self, protection: CFPState) -> str:
         """The sparse plan's line (`protection.sparse.describe_sparse`), with the largest lam F dropped when lam is
         a constant."""

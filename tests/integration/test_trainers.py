@@ -8,6 +8,7 @@ applied one parameter at a time; lam = 0 is bit-identical to no callback.
 """
 
 import copy
+import json
 import math
 
 import pytest
@@ -16,7 +17,7 @@ from support.anchors import random_anchor
 from support.references import ReferenceCFP
 from support.tensorboard import read_scalars
 from support.tiny import tiny_llama, tiny_tokenizer
-from support.training import train
+from support.training import QUIET_CPU_RUN, lm_dataset, train
 from transformers import Trainer, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 
@@ -425,3 +426,25 @@ def test_grpo_trainer_logs_metrics_to_tensorboard(tmp_path, monkeypatch):
     assert "train/reward" in scalars  # TRL's own metrics share the same step log
     callbacks = trainer.callback_handler.callbacks
     assert callbacks.index(callback) < next(i for i, cb in enumerate(callbacks) if isinstance(cb, TensorBoardCallback))
+
+
+def test_the_trained_model_carries_the_cfp_trace(tmp_path):
+    """Tags for the Hub card (`cfp`, `cfp-anchor:<name>`), and config.json's `cfp`: the anchor, lam and the final
+    drift, equal to the metrics the last logging step recorded in trainer_state.json."""
+    model = tiny_llama()
+    anchor = random_anchor(model)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, **{**QUIET_CPU_RUN, "logging_steps": 3}
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[CFPCallback(anchor, lam=10.0)])
+    trainer.train()
+    assert {"cfp", "cfp-anchor:math"} <= set(model.model_tags)
+    trainer.create_model_card(tags=list(model.model_tags))  # what Trainer.push_to_hub does with the model's tags
+    card = (tmp_path / "README.md").read_text()
+    assert "- cfp\n" in card and "- cfp-anchor:math\n" in card
+    trainer.save_model(str(tmp_path / "final"))
+    trace = json.loads((tmp_path / "final" / "config.json").read_text())["cfp"]
+    assert trace["anchors"] == [{"name": "math", "reference": None}] and trace["lam"] == [10.0]
+    logged = [h for h in trainer.state.log_history if "cfp/total_drift" in h][-1]
+    assert trace["final_metrics"]["cfp/total_drift"] == pytest.approx(logged["cfp/total_drift"], rel=1e-6)
+    assert trace["final_metrics"]["cfp/math/sensitive_drift"] > 0
