@@ -13,7 +13,7 @@ from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, LiveTheta0, MemoryPlan, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from ..protection import CFPState, MemoryPlan, SavedTheta0, Theta0Pieces, has_saved_theta0, peft_view, save_theta0
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
@@ -279,7 +279,7 @@ class CFPCallback(TrainerCallback):
             self._rechecked, fresh = self.recheck.run(anchors, model, kwargs.get("processing_class"))
             if fresh is not None:  # refresh F, keep theta0 (and lam_t's warm start)
                 lams_now = self.protection.lams
-                self.protection = self._bind(model, fresh, kwargs.get("optimizer"), LiveTheta0(self.protection))
+                self.protection = self._bind(model, fresh, kwargs.get("optimizer"), Theta0Pieces.of(self.protection))
                 self.protection.lams = lams_now
 
     def _bind(self, model, anchors: Sequence[FisherAnchor], optimizer, theta0) -> CFPState:

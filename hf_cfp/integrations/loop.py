@@ -9,9 +9,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPError
-from ..protection import CFPState, MemoryPlan
-from ..protection.binding import HeldRange
-from ..protection.peft_adapters import AdaptedWeight
+from ..protection import CFPState, MemoryPlan, Theta0Pieces
 from .resolve import AnchorLike, load_anchor
 from .strength import LamSchedule, Strength, first_lr
 
@@ -99,22 +97,6 @@ class CFP:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the path of `state` (from `state_dict`): rebind with its theta0 and step count."""
-        self.protection = self._bind(self.protection.model, _SavedPieces(state["theta0"]))
+        self.protection = self._bind(self.protection.model, Theta0Pieces(state["theta0"], None, "the CFP state_dict"))
         self.protection.lams = list(state["lams"])
         self.steps = int(state["steps"])
-
-
-class _SavedPieces:
-    """theta0 pieces from a `CFP.state_dict` (a `state.Theta0Reader` for the same process layout)."""
-
-    def __init__(self, theta0: dict[str, torch.Tensor]):
-        self.theta0 = theta0
-
-    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
-        missing = [name for name, _ in wanted if name not in self.theta0]
-        if missing:
-            raise CFPError(f"The CFP state_dict has no theta0 for {missing[0]!r}: saved for another model or anchor.")
-        return {name: self.theta0[name].reshape(-1) for name, _ in wanted}
-
-    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
-        raise CFPError("CFP.load_state_dict does not cover LoRA-adapted weights yet.")

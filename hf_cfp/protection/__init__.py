@@ -9,15 +9,15 @@ from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
 from .memory import MemoryPlan
 from .peft_adapters import peft_view
 from .sparse import SparseReport, describe_sparse
-from .state import CFPState, LiveTheta0
+from .state import CFPState, Theta0Pieces
 
 __all__ = [
     "BoundTensor",
     "CFPState",
-    "LiveTheta0",
     "MemoryPlan",
     "SavedTheta0",
     "SparseReport",
+    "Theta0Pieces",
     "bind_anchor",
     "describe_sparse",
     "has_saved_theta0",

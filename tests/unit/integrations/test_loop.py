@@ -76,7 +76,7 @@ def test_state_dict_for_another_model_is_a_clear_error():
     protector = CFP(copy.deepcopy(base), anchor, lam=LAM)
     state = protector.state_dict()
     state["theta0"].pop(next(iter(state["theta0"])))
-    with pytest.raises(CFPError, match="no theta0"):
+    with pytest.raises(CFPError, match="No theta0 for .* in the CFP state_dict"):
         protector.load_state_dict(state)
     assert isinstance(protector.anchors[0], FisherAnchor)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_cfp import FisherAnchor
 from hf_cfp.errors import CFPArgumentError
-from hf_cfp.protection import CFPState, LiveTheta0, MemoryPlan, describe_sparse
+from hf_cfp.protection import CFPState, MemoryPlan, Theta0Pieces, describe_sparse
 from hf_cfp.protection.sparse import coordinate_threshold, mass_threshold
 
 
@@ -148,5 +148,5 @@ def test_a_refreshed_state_adopts_the_theta0_tensors_instead_of_copying_them():
     model = bf16_model()
     state = CFPState(model, anchor_for(model))
     nudge(model)
-    again = CFPState(model, anchor_for(model, seed=5), theta0=LiveTheta0(state))
+    again = CFPState(model, anchor_for(model, seed=5), theta0=Theta0Pieces.of(state))
     assert [t.data_ptr() for t in again.theta0] == [t.data_ptr() for t in state.theta0]
