@@ -12,8 +12,8 @@ s0, B0, A0 per active adapter). They are replicated (sharded factors are refused
 them into its file as `cfp_lora0/<weight>/<adapter>/B` and `.../A` (float32), with `cfp_lora0` in the header:
 weight -> [[adapter, s0], ...]. `SavedTheta0.restore_lora` puts them back.
 
-Disk cost per checkpoint: 4 bytes per covered trainable parameter (one float32 copy), in total, plus one
-float32 copy of the covered LoRA factors.
+Disk cost per checkpoint: one copy of each covered trainable parameter in its own dtype (2 bytes for bf16), in
+total, plus one float32 copy of the covered LoRA factors.
 """
 
 import json

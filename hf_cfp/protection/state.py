@@ -68,7 +68,7 @@ class Theta0Pieces:
 class CFPState:
     """Binds protecting anchors and monitor anchors to `model` and snapshots theta0.
 
-    theta0 (float32) is kept for every trainable parameter covered by any anchor, so
+    theta0 (`memory`: where and in which dtype) is kept for every trainable parameter any anchor covers, so
     `cfp/total_drift` = ||theta - theta0|| runs over that union. Only the protecting anchors (`anchor`: one,
     or a sequence) correct: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k), one pass.
     theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
