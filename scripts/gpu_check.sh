@@ -7,11 +7,11 @@
 #      plan, correction vs copy, and its BANDWIDTH line: GB/s of copy and of the dense / bf16-F correction from
 #      the bytes each must move per parameter (copy 2 read + 2 written; correction: parameter 2 + theta0 2 +
 #      F 4 (2 as bf16) read, parameter 2 written = 10 (8)). The copy's GB/s is the device's attainable bandwidth.
-#   4. estimate_fisher on CUDA (135M-shaped bf16 model, 64 sequences of 64 new tokens, batch 16): sequences/s of
+#   4. estimate_fisher on CUDA (135M-shaped bf16 model, 32 sequences of 32 new tokens, batch 16): sequences/s of
 #      the batched engine and of the per-sequence loop, and the peak CUDA memory
-#   5. scripts/bench_fisher.py --no-smollm: the engines side by side. It runs on the CPU (it has no device
+#   5. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
 #      option): CPU figures of this machine, to set beside the README's CPU table.
-# Each step is capped (300 s in all; about 3 minutes expected). Then a SUMMARY block. Optional, with >= 2 GPUs:
+# Each step is capped (350 s in all; about 3 minutes expected). Then a SUMMARY block. Optional, with >= 2 GPUs:
 # `scripts/gpu_check.sh --multi-gpu` also runs scripts/multi_gpu_check.py under accelerate launch with each
 # config of scripts/accelerate/ (see the end).
 # Python: $PYTHON, else .venv/bin/python, else python3 (a CUDA build of torch). Exit status: 1 if any step failed.
@@ -45,7 +45,7 @@ PY
 
 step cuda_tests 90 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
 step bench_memory 100 "$python" scripts/bench_memory.py --device cuda --rounds 5
-step cuda_estimate 50 "$python" - <<'PY'
+step cuda_estimate 100 "$python" - <<'PY'
 import sys
 import time
 
@@ -58,7 +58,15 @@ from hf_cfp import estimate_fisher  # noqa: E402
 
 model = smollm2_135m_shaped().to("cuda", torch.bfloat16)
 prompts = [[(7 * i + j) % 4000 + 100 for j in range(16)] for i in range(16)]  # 16 token prompts of 16 ids
-sequences, new_tokens = 64, 64
+sequences, new_tokens = 32, 32
+batch = torch.tensor(prompts, device="cuda")
+for repeat in range(2):  # sampling alone, for the share of the estimate it takes (the second run is timed)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(sequences // 16):
+        model.generate(batch, do_sample=True, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    torch.cuda.synchronize()
+print(f"GENERATE seconds={time.perf_counter() - start:.2f} ({sequences} sequences x {new_tokens} new tokens, batch 16)")
 for engine in ("batched", "loop"):
     options = dict(batch_size=16, seed=0, show_progress=False, engine=engine)
     estimate_fisher(model, None, prompts, num_sequences=16, max_new_tokens=8, **options)  # warm-up
@@ -72,7 +80,7 @@ for engine in ("batched", "loop"):
     print(f"ESTIMATE engine={engine} sequences_per_s={sequences / seconds:.1f} seconds={seconds:.2f} peak_cuda_GiB={peak:.2f}"
           f" (135M-shaped bf16, {sequences} sequences x {new_tokens} new tokens, batch 16, sampling included)")
 PY
-step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --no-smollm --batch 16 --max-new-tokens 32 --repeats 2
+step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --models tiny small --batch 16 --max-new-tokens 32 --repeats 2
 
 echo; echo "=== SUMMARY (logs in $logs)"
 grep -h "passed\|failed\|skipped" "$logs/cuda_tests.log" | tail -1
@@ -80,7 +88,7 @@ grep -h "^BANDWIDTH\|^RESULT" "$logs/bench_memory.log"
 awk '/^BANDWIDTH/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = kv[2] + 0 }
      if (v["copy"] > 0) printf "correction dense at %.0f%% of copy bandwidth, bf16 F at %.0f%%\n",
        100 * v["correction_dense"] / v["copy"], 100 * v["correction_bf16f"] / v["copy"] }' "$logs/bench_memory.log"
-grep -h "^ESTIMATE" "$logs/cuda_estimate.log"
+grep -h "^ESTIMATE\|^GENERATE" "$logs/cuda_estimate.log"
 grep -h "^RESULT" "$logs/bench_fisher_cpu.log" | sed 's/^/bench_fisher (CPU) /'
 
 # ---------------------------------------------------------------- optional: >= 2 GPUs

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .chunks import chunk_elements, flat, spans, workspace
+from .chunks import flat, gather, packs, scatter, workspace
 
 # Per protected tensor, the F of each protecting anchor on it (None where that anchor does not cover it).
 AnchorFishers = Sequence[Sequence[torch.Tensor | None]]
@@ -63,25 +63,29 @@ def proximal_pull_(
     chunk: int | None = None,
 ) -> None:
     """In place, on every tensor: params <- theta0 + (params - theta0) / (1 + P), P = sum_k lam_k F_k
-    (`fishers[i][k]`: anchor k's F on `params[i]`, or None).
+    (`fishers[i][k]`: anchor k's F on `params[i]`, or None; a tensor no anchor covers is left as it is).
 
-    Any floating dtypes (F and theta0 need not match the parameter's): each span of at most `chunk` elements
-    (default `chunk_elements(device)`) is computed in float32 buffers (`workspace`) and written back once, so the
-    temporaries are three chunks, never the model. `params` must be contiguous (written through a flat view);
-    theta0 and F must be on its device.
+    Any floating dtypes (F and theta0 need not match the parameter's): the tensors covered by the same anchors
+    are laid out in packs of at most `chunk` elements (default `chunk_elements(device)`; `packs`), each gathered
+    into three float32 buffers (`workspace`), computed there and written back once, so the temporaries are three
+    chunks, never the model, and the operations are a few per pack, not per tensor. `params` must be contiguous
+    (written through a flat view); theta0 and F may live on another device (offloaded) in any floating dtype.
     """
+    covering = [tuple(k for k, fisher in enumerate(row) if fisher is not None) for row in fishers]
     with torch.no_grad():
-        for param, start, row in zip(params, theta0, fishers, strict=True):
-            param_flat, start_flat = flat(param), start.reshape(-1)
-            rows = [f.reshape(-1) if f is not None else None for f in row]
-            length = chunk or chunk_elements(param.device)
-            relief_buffer, delta_buffer, origin_buffer = workspace(param.device, 3, length)
-            for span in spans(param_flat.numel(), length):
-                size = span.stop - span.start
-                relief = pull_strength([f[span] if f is not None else None for f in rows], lams, relief_buffer[:size])
-                if relief is None:
-                    continue
-                relief.add_(1.0)  # 1 + P
-                origin = origin_buffer[:size].copy_(start_flat[span])  # theta0 in float32
-                delta = delta_buffer[:size].copy_(param_flat[span]).sub_(origin)
-                param_flat[span].copy_(origin.addcdiv_(delta, relief))  # rounded once to the parameter's dtype
+        flats = [flat(param) for param in params]
+        starts = [start.reshape(-1) for start in theta0]
+        rows = [[f.reshape(-1) if f is not None else None for f in row] for row in fishers]
+        for pack in packs(flats, covering, chunk):
+            anchors = pack.key
+            if not anchors:
+                continue
+            relief_buffer, delta_buffer, origin_buffer = workspace(pack.device, 3, pack.length)
+            first, *others = anchors
+            relief = gather(relief_buffer, pack, [row[first] for row in rows]).mul_(float(lams[first]))
+            for k in others:  # widened to float32 before it is weighted: a bf16 product would be rounded
+                relief.add_(gather(delta_buffer, pack, [row[k] for row in rows]), alpha=float(lams[k]))
+            relief.add_(1.0)  # 1 + P
+            origin = gather(origin_buffer, pack, starts)  # theta0 in float32
+            delta = gather(delta_buffer, pack, flats).sub_(origin)
+            scatter(flats, pack, origin.addcdiv_(delta, relief))  # rounded once to each parameter's dtype

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from .chunks import chunk_elements, spans, workspace
+from .chunks import gather, packs, workspace
 from .order_statistics import order_statistics, rank_of_fraction
 
 
@@ -36,35 +36,39 @@ def drift_squares(
     over the tensors it covers (a None theta0 is 0: Delta = params).
 
     theta0 and F may live on another device than the parameter (offloaded to the CPU) and in any floating
-    dtype: each span of at most `chunk` elements (default `chunk_elements(device)`) is copied into float32
-    buffers on the parameter's device (`workspace`), so the temporaries are three chunks, never the model. Each
-    chunk's sums are float32, added up in float64 per device.
+    dtype: the tensors with the same covering views are laid out in packs of at most `chunk` elements (default
+    `chunk_elements(device)`; `packs`) and gathered into float32 buffers on the parameters' device
+    (`workspace`), so the temporaries are three chunks, never the model, and the operations are a few per pack,
+    not per tensor. The sums accumulate in float64.
     """
     if any(len(view.fishers) != len(params) for view in views):
         raise ValueError(f"drift_squares: every view needs one F (or None) per tensor, {len(params)} tensors.")
+    keys = [
+        (start is not None, tuple(v for v, view in enumerate(views) if view.fishers[i] is not None))
+        for i, start in enumerate(theta0)
+    ]
     sums: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
-        for i, (param, start) in enumerate(zip(params, theta0, strict=True)):
-            device = param.device
-            acc = sums.setdefault(device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=device))
-            param_flat = param.reshape(-1)
-            start_flat = start.reshape(-1) if start is not None else None
-            covering = [(v, f.reshape(-1)) for v, view in enumerate(views) if (f := view.fishers[i]) is not None]
-            length = chunk or chunk_elements(device)
-            square_buffer, origin_buffer, product_buffer = workspace(device, 3, length)
-            for span in spans(param_flat.numel(), length):
-                size = span.stop - span.start
-                square = square_buffer[:size].copy_(param_flat[span])
-                if start_flat is not None:
-                    square.sub_(origin_buffer[:size].copy_(start_flat[span], non_blocking=True))
-                square.square_()
-                # float32 sums of one chunk (pairwise, accurate to ~1e-7), added up in float64
-                acc[0] += square.sum()
-                for v, fisher in covering:
-                    f = origin_buffer[:size].copy_(fisher[span], non_blocking=True)  # F in float32
-                    acc[1 + 2 * v] += torch.mul(square, f, out=product_buffer[:size]).sum()
-                    free = f.le_(views[v].threshold)  # 1.0 where F <= threshold, else 0.0
-                    acc[2 + 2 * v] += free.mul_(square).sum()
+        flats = [param.reshape(-1) for param in params]
+        starts = [start.reshape(-1) if start is not None else None for start in theta0]
+        rows = [[f.reshape(-1) if f is not None else None for f in view.fishers] for view in views]
+        for pack in packs(flats, keys, chunk):
+            has_origin, covering = pack.key
+            acc = sums.setdefault(
+                pack.device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=pack.device)
+            )
+            square_buffer, origin_buffer, product_buffer = workspace(pack.device, 3, pack.length)
+            square = gather(square_buffer, pack, flats)
+            if has_origin:
+                square.sub_(gather(origin_buffer, pack, starts))
+            square.square_()
+            # each pack's float32 elements summed in float64
+            acc[0] += square.sum(dtype=torch.float64)
+            for v in covering:
+                f = gather(origin_buffer, pack, rows[v])  # F in float32
+                acc[1 + 2 * v] += torch.mul(square, f, out=product_buffer[: pack.size]).sum(dtype=torch.float64)
+                free = f.le_(views[v].threshold)  # 1.0 where F <= threshold, else 0.0
+                acc[2 + 2 * v] += free.mul_(square).sum(dtype=torch.float64)
     return sum((acc.cpu() for acc in sums.values()), torch.zeros(1 + 2 * len(views), dtype=torch.float64))
 
 
