@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
-from .chunks import chunk_elements, spans, workspace
-from .correction import AnchorFishers, pull_strength
+from .chunks import gather, packs, workspace
+from .correction import AnchorFishers, pack_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
 Evaluate = Callable[[Sequence[float]], torch.Tensor]
@@ -39,33 +39,33 @@ def budget_terms(
     lams: Sequence[float],
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K], on the CPU) for the proposal D = params - theta0,
-    computed in reused float32 buffers a span of at most `chunk` elements at a time (`workspace`; default
-    `chunk_elements(device)`), each chunk's float32 sums added up in float64 on the parameter's device (no
-    synchronization per chunk). `fishers[i][k]` is anchor k's F on `params[i]`, or None."""
+    """[KL_k, dKL_k / dlam_k] for every anchor k (float64 [2, K], on the CPU) for the proposal D = params - theta0:
+
+        KL_k = 0.5 sum_i F_k,i (D_i / (1 + P_i))^2,   dKL_k / dlam_k = - sum_i F_k,i^2 D_i^2 / (1 + P_i)^3
+
+    with P = sum_k lam_k F_k. The tensors covered by the same anchors are laid out in packs of at most `chunk`
+    elements (default `chunk_elements(device)`; `packs`) in four reused float32 buffers (`workspace`), each
+    pack's sums accumulated in float64 on the parameters' device (no synchronization per pack). `fishers[i][k]`
+    is anchor k's F on `params[i]`, or None."""
+    covering = [tuple(k for k, fisher in enumerate(row) if fisher is not None) for row in fishers]
     sums: dict[torch.device, torch.Tensor] = {}
     with torch.no_grad():
-        for param, start, row in zip(params, theta0, fishers, strict=True):
-            device = param.device
-            acc = sums.setdefault(device, torch.zeros(2, len(lams), dtype=torch.float64, device=device))
-            param_flat, start_flat = param.reshape(-1), start.reshape(-1)
-            rows = [f.reshape(-1) if f is not None else None for f in row]
-            length = chunk or chunk_elements(device)
-            relief_buffer, shrunk_buffer, weighted_buffer = workspace(device, 3, length)
-            for span in spans(param_flat.numel(), length):
-                size = span.stop - span.start
-                pieces = [f[span] if f is not None else None for f in rows]
-                relief = pull_strength(pieces, lams, relief_buffer[:size])
-                if relief is None:
-                    continue
-                relief.add_(1.0)  # 1 + P
-                shrunk = shrunk_buffer[:size].copy_(param_flat[span]).sub_(start_flat[span]).div_(relief)
-                shrunk.square_()  # (D / (1 + P))^2
-                for k, fisher in enumerate(pieces):
-                    if fisher is not None:
-                        weighted = torch.mul(shrunk, fisher, out=weighted_buffer[:size])  # F D^2 / (1 + P)^2
-                        acc[0, k] += 0.5 * weighted.sum()
-                        acc[1, k] -= weighted.mul_(fisher).div_(relief).sum()
+        flats = [param.reshape(-1) for param in params]
+        starts = [start.reshape(-1) for start in theta0]
+        rows = [[f.reshape(-1) if f is not None else None for f in row] for row in fishers]
+        for pack in packs(flats, covering, chunk):
+            if not pack.key:
+                continue
+            acc = sums.setdefault(pack.device, torch.zeros(2, len(lams), dtype=torch.float64, device=pack.device))
+            relief_buffer, fisher_buffer, shrunk_buffer, weighted_buffer = workspace(pack.device, 4, pack.length)
+            relief = pack_strength(pack, rows, lams, relief_buffer, fisher_buffer).add_(1.0)  # 1 + P
+            shrunk = gather(shrunk_buffer, pack, flats).sub_(gather(weighted_buffer, pack, starts))
+            shrunk.div_(relief).square_()  # (D / (1 + P))^2
+            for k in pack.key:
+                fisher = gather(fisher_buffer, pack, [row[k] for row in rows])
+                weighted = torch.mul(shrunk, fisher, out=weighted_buffer[: pack.size])  # F D^2 / (1 + P)^2
+                acc[0, k] += 0.5 * weighted.sum(dtype=torch.float64)
+                acc[1, k] -= weighted.mul_(fisher).div_(relief).sum(dtype=torch.float64)
     return sum((acc.cpu() for acc in sums.values()), torch.zeros(2, len(lams), dtype=torch.float64))
 
 

@@ -14,27 +14,39 @@ from collections.abc import Sequence
 
 import torch
 
-from .chunks import flat, gather, packs, scatter, workspace
+from .chunks import Pack, flat, gather, packs, scatter, workspace
 
 # Per protected tensor, the F of each protecting anchor on it (None where that anchor does not cover it).
 AnchorFishers = Sequence[Sequence[torch.Tensor | None]]
 
 
-def pull_strength(
-    fishers: Sequence[torch.Tensor | None], lams: Sequence[float], out: torch.Tensor | None = None
-) -> torch.Tensor | None:
+def pull_strength(fishers: Sequence[torch.Tensor | None], lams: Sequence[float]) -> torch.Tensor | None:
     """P = sum_k lam_k F_k in float32 (also for a bf16 F) over the anchors covering one tensor (None when none
-    does), in `out` when given (a float32 buffer of the same number of elements), else a new tensor."""
+    does)."""
     strength = None
     for fisher, lam in zip(fishers, lams, strict=True):
         if fisher is not None:
-            if strength is None and out is not None and fisher.dtype == torch.float32:
-                strength = torch.mul(fisher.reshape(out.shape), float(lam), out=out)  # one pass
-            elif strength is None:  # a bf16 F is widened first: multiplied in bf16 it would be rounded
-                strength = out.copy_(fisher.reshape(out.shape)) if out is not None else fisher.float().clone()
-                strength.mul_(float(lam))
+            if strength is None:  # a bf16 F is widened first: multiplied in bf16 it would be rounded
+                strength = fisher.float().mul(float(lam)) if fisher.dtype != torch.float32 else fisher.mul(float(lam))
             else:
-                strength.add_(fisher.reshape(strength.shape), alpha=float(lam))
+                strength.add_(fisher, alpha=float(lam))
+    return strength
+
+
+def pack_strength(
+    pack: Pack[tuple[int, ...]],
+    rows: Sequence[Sequence[torch.Tensor | None]],
+    lams: Sequence[float],
+    out: torch.Tensor,
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    """P = sum_k lam_k F_k in float32 over a pack's elements, k over `pack.key` (the anchors covering every
+    tensor in it; `rows[i][k]`: anchor k's flat F on tensor i): F_k gathered into `out` (the first) or `scratch`
+    (the others, then added), widened before it is weighted. Returns out[:pack.size]."""
+    first, *others = pack.key
+    strength = gather(out, pack, [row[first] for row in rows]).mul_(float(lams[first]))
+    for k in others:
+        strength.add_(gather(scratch, pack, [row[k] for row in rows]), alpha=float(lams[k]))
     return strength
 
 
@@ -77,15 +89,10 @@ def proximal_pull_(
         starts = [start.reshape(-1) for start in theta0]
         rows = [[f.reshape(-1) if f is not None else None for f in row] for row in fishers]
         for pack in packs(flats, covering, chunk):
-            anchors = pack.key
-            if not anchors:
+            if not pack.key:
                 continue
             relief_buffer, delta_buffer, origin_buffer = workspace(pack.device, 3, pack.length)
-            first, *others = anchors
-            relief = gather(relief_buffer, pack, [row[first] for row in rows]).mul_(float(lams[first]))
-            for k in others:  # widened to float32 before it is weighted: a bf16 product would be rounded
-                relief.add_(gather(delta_buffer, pack, [row[k] for row in rows]), alpha=float(lams[k]))
-            relief.add_(1.0)  # 1 + P
+            relief = pack_strength(pack, rows, lams, relief_buffer, delta_buffer).add_(1.0)  # 1 + P
             origin = gather(origin_buffer, pack, starts)  # theta0 in float32
             delta = gather(delta_buffer, pack, flats).sub_(origin)
             scatter(flats, pack, origin.addcdiv_(delta, relief))  # rounded once to each parameter's dtype
