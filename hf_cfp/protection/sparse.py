@@ -134,13 +134,13 @@ class SparseCorrection:
             self.indices.append(index.to(device, torch.int32 if small else torch.int64))
 
     def correct(self, params: Sequence[torch.Tensor], lams: Sequence[float]) -> None:
-        """Pull the kept coordinates of `params` (the local tensors of the bound parameters) toward theta0."""
+        """Pull the kept coordinates of `params` (the local tensors of the bound parameters) toward theta0: gathered
+        by index, pulled together (`proximal_pull_` packs them), scattered back."""
         with torch.no_grad():
-            for param, index, start, row in zip(params, self.indices, self.theta0, self.rows, strict=True):
-                if index.numel():
-                    values = flat(param)[index]
-                    proximal_pull_([values], [start], [row], lams)
-                    flat(param)[index] = values
+            values = [flat(param)[index] for param, index in zip(params, self.indices, strict=True)]
+            proximal_pull_(values, self.theta0, self.rows, lams)
+            for param, index, kept in zip(params, self.indices, values, strict=True):
+                flat(param)[index] = kept
 
 
 def _kept_indices(row: Sequence[torch.Tensor | None], thresholds: Sequence[float]) -> torch.Tensor:
