@@ -1,4 +1,4 @@
-"""CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (thin glue over CFPState)."""
+"""CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (glue over the loop API, `CFP`)."""
 
 import logging
 import os
@@ -11,13 +11,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
-from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
-from ..protection import CFPState, MemoryPlan, SavedTheta0, Theta0Pieces, has_saved_theta0, peft_view, save_theta0
+from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from .loop import CFP, anchor_list
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
-from .strength import LamSchedule, Strength, first_lr
+from .settings import ProtectionSettings
+from .strength import LamSchedule, first_lr
 from .trace import record_trace
 
 logger = logging.getLogger(__name__)
@@ -143,34 +144,40 @@ class CFPCallback(TrainerCallback):
         sparse: float | None = None,
         sparse_by: str = "coordinates",
     ):
-        given = [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)
-        if not given:
-            raise CFPArgumentError("CFPCallback needs at least one protecting anchor.")
+        given = anchor_list(anchor)
         if compute_if_missing is not None and len(given) > 1:
             raise CFPArgumentError("compute_if_missing estimates one anchor; pass a single protecting anchor with it.")
         self.anchors = [resolve_anchor(a, compute_if_missing, push_if_computed, estimate_kwargs) for a in given]
-        self.monitors = [load_anchor(m) for m in monitor]
-        names = [a.name for a in (*self.anchors, *self.monitors)]
-        if len(set(names)) != len(names):
-            raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
-        self.strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(self.anchors))
-        self.memory = MemoryPlan(fisher_dtype, sparse, sparse_by)
-        if self.memory.sparse is not None and kl_budget is not None:
-            raise CFPArgumentError("kl_budget sums over every protected coordinate: use it without sparse.")
+        self.settings = ProtectionSettings.from_arguments(
+            [a.name for a in self.anchors],
+            [load_anchor(m) for m in monitor],
+            lam,
+            kl_budget,
+            scale_lam_with_lr,
+            free_fraction,
+            lora_rule,
+            fisher_dtype,
+            sparse,
+            sparse_by,
+        )
         self.recheck = AnchorRecheck(recheck_every, recheck_prompts, refresh_fisher, [a.name for a in self.anchors])
-        if not 0 < free_fraction < 1:
-            raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
-        self.free_fraction = free_fraction
         self.strict = strict
         self.restart_path_on_resume = restart_path_on_resume
-        if lora_rule not in LORA_RULES:
-            raise CFPArgumentError(f"lora_rule must be one of {sorted(LORA_RULES)}, got {lora_rule!r}.")
-        self.lora_rule = lora_rule
-        self.protection: CFPState | None = None  # bound at train begin
+        self.cfp: CFP | None = None  # bound at train begin
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
         self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
         self._rechecked: dict[str, float] = {}  # top1_overlap_now values for the next log
+
+    @property
+    def protection(self) -> CFPState | None:
+        """The bound state (theta0, F, the correction and the metrics) once training has begun, else None."""
+        return self.cfp.protection if self.cfp is not None else None
+
+    @property
+    def monitors(self) -> list[FisherAnchor]:
+        """The monitor anchors (measured, not corrected)."""
+        return list(self.settings.monitors)
 
     @property
     def anchor(self) -> FisherAnchor | PendingAnchor:
@@ -194,9 +201,10 @@ class CFPCallback(TrainerCallback):
     def lam_at(self, step: int) -> list[float]:
         """lam_t of each protecting anchor for the optimizer step `step` (1-based), validated (not with a
         kl_budget, whose lam_t depends on the step's proposal)."""
-        if self.protection is None and (self.strength.kl_budget is not None or self.strength.scale_with_lr):
+        strength = self.settings.strength
+        if self.protection is None and (strength.kl_budget is not None or strength.scale_with_lr):
             raise CFPError("lam_at: with kl_budget or scale_lam_with_lr, lam_t is known only during training.")
-        return self.strength.lams(step, self._step_lr, self.protection)  # type: ignore[arg-type]
+        return strength.lams(step, self._step_lr, self.protection)  # type: ignore[arg-type]
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -209,7 +217,7 @@ class CFPCallback(TrainerCallback):
         ]
         anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # none pending any more
         call = find_trainer_call(self)
-        if self.protection is None or self.protection.model is not model:  # first train(), or another model
+        if self.cfp is None or self.cfp.protection.model is not model:  # first train(), or another model
             refuse_unsupported_layout(model, args, optimizer)
             theta0 = None
             if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
@@ -219,16 +227,12 @@ class CFPCallback(TrainerCallback):
                 for bound in (*anchors, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
-            self.protection = self._bind(model, anchors, optimizer, theta0)
-            if self.strength.kl_budget is not None and self.protection.adapters.weights:
-                raise CFPArgumentError(
-                    "kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only in "
-                    "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
-                )
-            logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
-            if self.protection.sparse_report is not None:
-                logger.info(self.strength.describe_sparse(self.protection))
-            record_trace(model, anchors, self.strength.as_trace())
+            self.cfp = CFP.bound(model, anchors, self.settings, optimizer, theta0)
+            strength = self.settings.strength
+            logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
+            if self.cfp.protection.sparse_report is not None:
+                logger.info(strength.describe_sparse(self.cfp.protection))
+            record_trace(model, anchors, strength.as_trace())
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -263,29 +267,18 @@ class CFPCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self.protection is None:
+        if self.cfp is None:
             raise CFPError("CFPCallback.on_step_end before on_train_begin: the anchor was never bound to the model.")
         self._check_optimizer(kwargs.get("optimizer"))
         # DefaultFlowCallback, first in the handler, has already decided whether this step logs (a plain
         # loop driving the callback may pass no TrainerControl: then no adapter residual is measured)
         logs = bool(getattr(control, "should_log", False))
-        lams = self.strength.lams(
-            state.global_step, self._step_lr or first_lr(kwargs.get("optimizer")), self.protection
-        )
-        self.protection.correct(lams, measure_residual=logs)
+        self.cfp.step(state.global_step, self._step_lr or first_lr(kwargs.get("optimizer")), measure_residual=logs)
         if self.recheck.due(state.global_step):
-            model = kwargs["model"]
-            anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # bound at train begin
-            self._rechecked, fresh = self.recheck.run(anchors, model, kwargs.get("processing_class"))
+            originals: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # bound at train begin
+            self._rechecked, fresh = self.recheck.run(originals, kwargs["model"], kwargs.get("processing_class"))
             if fresh is not None:  # refresh F, keep theta0 (and lam_t's warm start)
-                lams_now = self.protection.lams
-                self.protection = self._bind(model, fresh, kwargs.get("optimizer"), Theta0Pieces.of(self.protection))
-                self.protection.lams = lams_now
-
-    def _bind(self, model, anchors: Sequence[FisherAnchor], optimizer, theta0) -> CFPState:
-        return CFPState(
-            model, anchors, self.monitors, self.free_fraction, optimizer, theta0, self.lora_rule, self.memory
-        )
+                self.cfp.refresh(fresh)
 
     def on_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -318,8 +311,8 @@ class CFPCallback(TrainerCallback):
             save_theta0(self.protection, _checkpoint_dir(args, state))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        if self.protection is not None:  # the final drift, in the config saved with the trained model
-            record_trace(kwargs["model"], self.anchors, self.strength.as_trace(), self.protection.drift_metrics())  # type: ignore[arg-type]
+        if self.cfp is not None:  # the final drift, in the config saved with the trained model
+            record_trace(kwargs["model"], self.anchors, self.settings.strength.as_trace(), self.cfp.metrics())  # type: ignore[arg-type]
 
     def on_log(
         self,
@@ -329,8 +322,8 @@ class CFPCallback(TrainerCallback):
         logs: dict[str, float] | None = None,
         **kwargs: Any,
     ) -> None:
-        if self.protection is not None and logs is not None and "loss" in logs:
-            add_to_step_log(state, logs, {**self.protection.drift_metrics(), **self._rechecked})
+        if self.cfp is not None and logs is not None and "loss" in logs:
+            add_to_step_log(state, logs, {**self.cfp.metrics(), **self._rechecked})
             self._rechecked = {}
 
 

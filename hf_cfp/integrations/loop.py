@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from ..anchor import FisherAnchor
-from ..errors import CFPError
-from ..protection import CFPState, MemoryPlan, Theta0Pieces
+from ..protection import Theta0Pieces
 from .resolve import AnchorLike, load_anchor
-from .strength import LamSchedule, Strength, first_lr
+from .settings import ProtectionSettings
+from .strength import LamSchedule, first_lr
 
 
 class CFP:
@@ -58,26 +58,55 @@ class CFP:
         sparse: float | None = None,
         sparse_by: str = "coordinates",
     ):
-        given = [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)
-        self.anchors = [load_anchor(a) for a in given]
-        self.monitors = [load_anchor(m) for m in monitor]
-        self.strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(self.anchors))
-        self.optimizer = optimizer
-        self.free_fraction, self.lora_rule = free_fraction, lora_rule
-        self.memory = MemoryPlan(fisher_dtype, sparse, sparse_by)
-        self.protection = self._bind(model, None)
+        anchors = [load_anchor(a) for a in anchor_list(anchor)]
+        settings = ProtectionSettings.from_arguments(
+            [a.name for a in anchors],
+            [load_anchor(m) for m in monitor],
+            lam,
+            kl_budget,
+            scale_lam_with_lr,
+            free_fraction,
+            lora_rule,
+            fisher_dtype,
+            sparse,
+            sparse_by,
+        )
+        self._bind(model, anchors, settings, optimizer, None)
+
+    @classmethod
+    def bound(
+        cls,
+        model: torch.nn.Module,
+        anchors: Sequence[FisherAnchor],
+        settings: ProtectionSettings,
+        optimizer: torch.optim.Optimizer | None,
+        theta0: Any = None,
+    ) -> "CFP":
+        """CFP on validated settings, theta0 from `theta0` (a `Theta0Reader`: a checkpoint's) or the weights now:
+        how `CFPCallback` binds at train begin."""
+        protector = cls.__new__(cls)
+        protector._bind(model, anchors, settings, optimizer, theta0)
+        return protector
+
+    def _bind(self, model, anchors, settings: ProtectionSettings, optimizer, theta0) -> None:
+        self.anchors, self.settings, self.optimizer = list(anchors), settings, optimizer
+        self.protection = settings.bind(model, self.anchors, optimizer, theta0)
         self.steps = 0  # optimizer steps corrected
 
-    def _bind(self, model: torch.nn.Module, theta0: Any) -> CFPState:
-        return CFPState(
-            model, self.anchors, self.monitors, self.free_fraction, self.optimizer, theta0, self.lora_rule, self.memory
-        )
+    def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
+        """Correct the weights after an optimizer step; returns the lam_t of each protecting anchor.
 
-    def step(self) -> list[float]:
-        """Correct the weights after an optimizer step; returns the lam_t of each protecting anchor."""
-        self.steps += 1
-        lams = self.strength.lams(self.steps, first_lr(self.optimizer), self.protection)
-        self.protection.correct(lams)
+        Args:
+            step (`int`, *optional*): the optimizer step just taken (1-based); defaults to counting the calls.
+            lr (`float`, *optional*): its learning rate (for `scale_lam_with_lr`); defaults to the optimizer's
+                first param group's.
+            measure_residual (`bool`, *optional*): on LoRA-adapted weights, measure the share of the target the
+                adapter missed, reported by the next `metrics()` as `cfp/<anchor>/adapter_residual`.
+        """
+        self.steps = self.steps + 1 if step is None else step
+        learning_rate = lr if lr is not None else first_lr(self.optimizer)
+        lams = self.settings.strength.lams(self.steps, learning_rate, self.protection)
+        self.protection.correct(lams, measure_residual=measure_residual)
         return lams
 
     def metrics(self) -> dict[str, float]:
@@ -85,18 +114,36 @@ class CFP:
         every process must call it (one collective)."""
         return self.protection.drift_metrics()
 
+    def refresh(self, anchors: Sequence[FisherAnchor]) -> None:
+        """Correct and measure with `anchors` (re-estimated F) from now on, keeping theta0, the LoRA factors at
+        train begin and lam_t's warm start."""
+        lams = self.protection.lams
+        self.protection = self.settings.bind(
+            self.protection.model, anchors, self.optimizer, Theta0Pieces.of(self.protection)
+        )
+        self.anchors, self.protection.lams = list(anchors), lams
+
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed loop needs: the steps taken, the last lams and this process's theta0 pieces (in the
-        parameters' dtype, on the CPU). Save it with your checkpoint, per process."""
-        if self.protection.adapted:
-            raise CFPError("CFP.state_dict does not cover LoRA-adapted weights yet: use CFPCallback to resume them.")
-        theta0 = {
-            n: t.detach().cpu().clone() for n, t in zip(self.protection.names, self.protection.theta0, strict=True)
+        """What a resumed loop needs: the steps taken, the last lams, this process's theta0 pieces (in the
+        parameters' dtype) and, on a PEFT model, the LoRA factors at train begin, all on the CPU. Save it with
+        your checkpoint, per process."""
+        pieces = Theta0Pieces.of(self.protection)
+        theta0 = {name: t.detach().cpu().clone() for name, t in pieces.theta0.items()}
+        lora0 = {
+            name: [(s0, b0.detach().cpu().clone(), a0.detach().cpu().clone()) for s0, b0, a0 in snapshot]
+            for name, snapshot in (pieces.snapshots or {}).items()
         }
-        return {"steps": self.steps, "lams": list(self.protection.lams), "theta0": theta0}
+        return {"steps": self.steps, "lams": list(self.protection.lams), "theta0": theta0, "lora0": lora0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the path of `state` (from `state_dict`): rebind with its theta0 and step count."""
-        self.protection = self._bind(self.protection.model, Theta0Pieces(state["theta0"], None, "the CFP state_dict"))
+        """Continue the path of `state` (from `state_dict`): rebind with its theta0 (and LoRA factors) and step
+        count."""
+        saved = Theta0Pieces(state["theta0"], state.get("lora0"), "the CFP state_dict")
+        self._bind(self.protection.model, self.anchors, self.settings, self.optimizer, saved)
         self.protection.lams = list(state["lams"])
         self.steps = int(state["steps"])
+
+
+def anchor_list(anchor: AnchorLike | Sequence[AnchorLike]) -> list[AnchorLike]:
+    """One anchor (an anchor, a directory, a Hub reference) or a sequence of them, as a list."""
+    return [anchor] if isinstance(anchor, (str, os.PathLike, FisherAnchor)) else list(anchor)

@@ -6,13 +6,12 @@ FSDP2, FSDP1 and ZeRO-3), corrects that alone, and adds its shards' sums of squa
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
 
 import torch
 
 from ..anchor import FisherAnchor
 from ..anchor.lazy import TensorsOf
-from ..errors import CFPArgumentError, CFPError
+from ..errors import CFPArgumentError
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
@@ -21,48 +20,7 @@ from .binding import BoundTensor, HeldRange, bind_anchor
 from .memory import MemoryPlan
 from .peft_adapters import AdaptedWeight, adapted_drift_sq, peft_view
 from .sparse import SparseCorrection, SparseReport, coordinate_threshold, mass_threshold, sparse_report
-
-
-class Theta0Reader(Protocol):
-    """Where a saved theta0 comes from (`checkpoint.SavedTheta0`)."""
-
-    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
-        """name -> the saved theta0 elements [start, stop) of each wanted parameter, flat."""
-        ...
-
-    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
-        """Set each LoRA-adapted weight's snapshot (its factors at train begin) to the saved one."""
-        ...
-
-
-class Theta0Pieces:
-    """theta0 pieces already in memory, by name, as a `Theta0Reader`: those of a bound CFPState (`of`: a CFPState
-    binding other anchors to the same model, a refreshed F, keeps the path's origin, this process's pieces and
-    the LoRA factors at train begin), or those of a `CFP.state_dict` (no LoRA factors: `snapshots` None).
-    `source` names where they come from, for errors."""
-
-    def __init__(self, theta0: dict[str, torch.Tensor], snapshots: dict[str, list] | None, source: str):
-        self.theta0, self.snapshots, self.source = theta0, snapshots, source
-
-    @classmethod
-    def of(cls, state: "CFPState") -> "Theta0Pieces":
-        snapshots = {weight.name: weight.snapshot for weight in state.adapted}
-        return cls(dict(zip(state.names, state.theta0, strict=True)), snapshots, "the anchors bound before")
-
-    def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
-        missing = [name for name, _ in wanted if name not in self.theta0]
-        if missing:
-            raise CFPError(
-                f"No theta0 for {missing[0]!r} in {self.source}: they were taken for other parameters (another "
-                "model, or anchors covering parameters the earlier ones did not)."
-            )
-        return {name: self.theta0[name].reshape(-1) for name, _ in wanted}
-
-    def restore_lora(self, adapted: list[AdaptedWeight]) -> None:
-        if self.snapshots is None:
-            raise CFPError(f"{self.source} holds no LoRA factors at train begin: LoRA-adapted weights cannot resume.")
-        for weight in adapted:
-            weight.snapshot = self.snapshots[weight.name]
+from .theta0 import Theta0Reader
 
 
 class CFPState:

@@ -70,6 +70,35 @@ def test_state_dict_resumes_the_same_path_bit_for_bit():
     assert gap > 1e-4  # the saved theta0 matters
 
 
+def test_state_dict_of_a_lora_run_resumes_the_same_path_bit_for_bit():
+    """On a PeftModel (LoRA on q_proj and v_proj), the state_dict carries the LoRA factors at train begin (s0, B0,
+    A0, on the CPU) besides theta0: the resumed run ends bit for bit where the uninterrupted one ends, while a run
+    that starts CFP afresh at the halfway weights (factors B0 = B at step 2) ends elsewhere."""
+    from peft import LoraConfig, get_peft_model
+
+    base, rows = tiny_llama(), full_batch_rows()
+    anchor = random_anchor(base)
+    kept = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    protector = CFP(kept, anchor, lam=LAM)
+    assert protector.protection.adapted  # the adapted weights are corrected through their factors
+    adamw_loop(kept, rows, 2, after_step=protector.step)
+    saved = protector.state_dict()
+    halfway = copy.deepcopy(kept)
+    adamw_loop(kept, rows, 2, after_step=protector.step)
+    factors = [t for snapshot in saved["lora0"].values() for _, b0, a0 in snapshot for t in (b0, a0)]
+    assert len(saved["lora0"]) == len(protector.protection.adapted) and all(t.device.type == "cpu" for t in factors)
+    assert all(float(b0.abs().max()) == 0 for snapshot in saved["lora0"].values() for _, b0, _ in snapshot)
+
+    resumed, restarted = copy.deepcopy(halfway), copy.deepcopy(halfway)
+    again = CFP(resumed, anchor, lam=LAM)
+    again.load_state_dict(saved)
+    adamw_loop(resumed, rows, 2, after_step=again.step)
+    adamw_loop(restarted, rows, 2, after_step=CFP(restarted, anchor, lam=LAM).step)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), kept.parameters(), strict=True))
+    gap = max((a - b).abs().max().item() for a, b in zip(restarted.parameters(), kept.parameters(), strict=True))
+    assert gap > 1e-3, gap  # the saved factors matter (0.015 here)
+
+
 def test_state_dict_for_another_model_is_a_clear_error():
     base = tiny_llama()
     anchor = random_anchor(base)
