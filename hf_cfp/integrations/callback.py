@@ -1,6 +1,5 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (thin glue over CFPState)."""
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -8,11 +7,12 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
 from ..ops.lora_correction import LORA_RULES
-from ..parallel import refuse_unsupported_layout
+from ..parallel import log_on_main_process, refuse_unsupported_layout
 from ..protection import CFPState, MemoryPlan, SavedTheta0, Theta0Pieces, has_saved_theta0, peft_view, save_theta0
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
@@ -20,7 +20,7 @@ from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 from .strength import LamSchedule, Strength, first_lr
 from .trace import record_trace
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 class CFPCallback(TrainerCallback):
@@ -225,6 +225,7 @@ class CFPCallback(TrainerCallback):
                     "kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only in "
                     "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
                 )
+            # per process: under sharding each process describes the coordinates it holds
             logger.info(self.strength.describe(self.protection, getattr(args, "learning_rate", None)))
             if self.protection.sparse_report is not None:
                 logger.info(self.strength.describe_sparse(self.protection))
@@ -246,7 +247,8 @@ class CFPCallback(TrainerCallback):
         if checkpoint is not None and has_saved_theta0(checkpoint):
             return SavedTheta0(checkpoint)
         if self.restart_path_on_resume:
-            logger.info(
+            log_on_main_process(
+                logger.info,
                 "CFPCallback: no saved theta0 in %s; the protected path restarts at the resumed weights "
                 "(restart_path_on_resume=True).",
                 checkpoint,
