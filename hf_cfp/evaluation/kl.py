@@ -27,6 +27,7 @@ from ..errors import CFPArgumentError
 from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
 from ..fisher.scoring import batched_sequence_log_probs
+from ..names import KL_TO_BASE, KL_TO_BASE_STDERR
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class KLEstimate:
 
     def metrics(self, name: str) -> dict[str, float]:
         """`cfp/<name>/kl_to_base` and `cfp/<name>/kl_to_base_stderr`."""
-        return {f"cfp/{name}/kl_to_base": self.kl, f"cfp/{name}/kl_to_base_stderr": self.stderr}
+        return {KL_TO_BASE.key(name): self.kl, KL_TO_BASE_STDERR.key(name): self.stderr}
 
 
 def kl_estimate(base_log_probs: torch.Tensor, log_probs: torch.Tensor, num_samples_per_prompt: int) -> KLEstimate:

@@ -13,6 +13,7 @@ import torch
 from ..anchor import FisherAnchor
 from ..anchor.lazy import TensorsOf
 from ..errors import CFPArgumentError, CFPError
+from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
@@ -288,7 +289,7 @@ class CFPState:
         Every process returns the same, global values; with sharded parameters every process must
         call this (one collective). Builds no autograd graph: every input is detached.
         """
-        keys = ["cfp/total_drift"] + [f"cfp/{n}/{m}" for n in self.views for m in ("sensitive_drift", "free_drift")]
+        keys = drift_keys(self.views)
         fisher_at = {name: dict(zip(view[0], view[1], strict=True)) for name, view in self.views.items()}
         sums = []
         for sharded in (False, True):  # replicated tensors count once; shards are summed across processes
@@ -306,11 +307,11 @@ class CFPState:
         totals = (replicated + shard_sums.cpu()).tolist()
         metrics = {key: math.sqrt(value) for key, value in zip(keys, totals, strict=True)}
         for name in self.views:  # KL(mu_0 || mu_theta) ~ 0.5 Delta^T F Delta on the anchor's calibration prompts
-            metrics[f"cfp/{name}/predicted_kl"] = 0.5 * metrics[f"cfp/{name}/sensitive_drift"] ** 2
+            metrics[PREDICTED_KL.key(name)] = 0.5 * metrics[SENSITIVE_DRIFT.key(name)] ** 2
         for name, lam in zip(self.protecting, self.lams, strict=True):
-            metrics[f"cfp/{name}/lam"] = lam
+            metrics[LAM.key(name)] = lam
         if self.adapters.residual is not None:
-            metrics[f"cfp/{self.protecting[0]}/adapter_residual"] = self.adapters.residual
+            metrics[ADAPTER_RESIDUAL.key(self.protecting[0])] = self.adapters.residual
         return metrics
 
 
