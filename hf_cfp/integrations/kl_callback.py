@@ -45,6 +45,9 @@ class KLToBaseCallback(TrainerCallback):
         num_samples_per_prompt, max_new_tokens, temperature, seed, batch_size, eos_token_id: as in
             [`kl_to_base`].
 
+    Raises:
+        CFPArgumentError: an empty `name`, no prompts, or text prompts without a tokenizer.
+
     Example:
 
     ```python
@@ -83,7 +86,14 @@ class KLToBaseCallback(TrainerCallback):
         self._attached = False
 
     def attach(self, trainer: Trainer) -> "KLToBaseCallback":
-        """Add this callback to `trainer` just before its reporting callbacks (see `CFPCallback.attach`)."""
+        """Add this callback to `trainer` just before its reporting callbacks (see `CFPCallback.attach`).
+
+        Args:
+            trainer (`transformers.Trainer`): the trainer (TRL trainers included) about to train.
+
+        Returns:
+            `KLToBaseCallback`: this callback.
+        """
         attach_before_reporters(trainer, self)
         self._attached = True
         return self

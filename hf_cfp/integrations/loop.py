@@ -29,6 +29,11 @@ class CFP:
         optimizer (`torch.optim.Optimizer`, *optional*): the loop's optimizer; needed for `scale_lam_with_lr` (its
             learning rate) and under DeepSpeed ZeRO (its fp32 master weights).
 
+    Raises:
+        CFPArgumentError: a bad strength (negative or non-finite lam or budget, both, or the wrong count) or memory
+            plan (fisher_dtype, sparse, sparse_by).
+        AnchorNotFoundError, AnchorMismatchError: an anchor that cannot be loaded, or that does not fit `model`.
+
     Example:
 
     ```python
@@ -74,7 +79,12 @@ class CFP:
         )
 
     def step(self) -> list[float]:
-        """Correct the weights after an optimizer step; returns the lam_t of each protecting anchor."""
+        """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)
+        with lam_t from `lam` (or solved for `kl_budget`) at this step (1-based count of calls).
+
+        Returns:
+            `list[float]`: the lam_t of each protecting anchor.
+        """
         self.steps += 1
         lams = self.strength.lams(self.steps, first_lr(self.optimizer), self.protection)
         self.protection.correct(lams)
@@ -82,12 +92,23 @@ class CFP:
 
     def metrics(self) -> dict[str, float]:
         """The `cfp/*` drift metrics now (the same keys and values `CFPCallback` logs); with sharded parameters
-        every process must call it (one collective)."""
+        every process must call it (one collective).
+
+        Returns:
+            `dict[str, float]`: metric key -> value, the same on every process (`hf_cfp.names.LOGGED_METRICS`).
+        """
         return self.protection.drift_metrics()
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed loop needs: the steps taken, the last lams and this process's theta0 pieces (in the
-        parameters' dtype, on the CPU). Save it with your checkpoint, per process."""
+        parameters' dtype, on the CPU). Save it with your checkpoint, per process.
+
+        Returns:
+            `dict[str, Any]`: `{"steps": int, "lams": list[float], "theta0": {name: tensor}}`.
+
+        Raises:
+            CFPError: the model has LoRA-adapted weights (their resume is not covered yet; use `CFPCallback`).
+        """
         if self.protection.adapted:
             raise CFPError("CFP.state_dict does not cover LoRA-adapted weights yet: use CFPCallback to resume them.")
         theta0 = {
@@ -96,7 +117,14 @@ class CFP:
         return {"steps": self.steps, "lams": list(self.protection.lams), "theta0": theta0}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the path of `state` (from `state_dict`): rebind with its theta0 and step count."""
+        """Continue the path of `state` (from `state_dict`): rebind with its theta0 and step count.
+
+        Args:
+            state (`dict[str, Any]`): what `state_dict` returned on this process.
+
+        Raises:
+            CFPError: `state` holds no theta0 for a parameter the anchors cover on this model.
+        """
         self.protection = self._bind(self.protection.model, Theta0Pieces(state["theta0"], None, "the CFP state_dict"))
         self.protection.lams = list(state["lams"])
         self.steps = int(state["steps"])

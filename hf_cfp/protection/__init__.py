@@ -9,7 +9,8 @@ from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
 from .memory import MemoryPlan
 from .peft_adapters import peft_view
 from .sparse import SparseReport, describe_sparse
-from .state import CFPState, Theta0Pieces
+from .state import CFPState
+from .theta0_sources import Theta0Pieces
 
 __all__ = [
     "BoundTensor",

@@ -77,7 +77,7 @@ def _lora_key(weight: str, adapter: str, factor: str) -> str:
 
 
 class SavedTheta0:
-    """The theta0 saved in one checkpoint directory, read piece by piece (a `state.Theta0Reader`).
+    """The theta0 saved in one checkpoint directory, read piece by piece (a `theta0_sources.Theta0Reader`).
 
     Files written before ranges were recorded (`cfp_theta0.safetensors` with full tensors) read as
     whole parameters.
