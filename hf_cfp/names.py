@@ -42,9 +42,14 @@ _PLACEHOLDER = re.compile(r"<(?:anchor|name)>")
 
 @dataclass(frozen=True)
 class LoggedMetric:
-    """One metric hf-cfp logs: its key pattern (`<anchor>` or `<name>` stands for a name), what it is, when it is
-    logged. The one place metric keys are spelled: the code builds keys with `key`, the README's table is
-    `metrics_table()`."""
+    """One metric hf-cfp logs. The one place metric keys are spelled: the code builds keys with `key`, the README's
+    table is `metrics_table()`.
+
+    Args:
+        pattern (`str`): the key, `<anchor>` or `<name>` standing for a name (`cfp/<anchor>/sensitive_drift`).
+        meaning (`str`): what the value is (markdown, no `|`).
+        logged (`str`): when it is logged (markdown, no `|`).
+    """
 
     pattern: str
     meaning: str
