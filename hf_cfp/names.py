@@ -1,9 +1,16 @@
-"""Canonical parameter names: what `model.named_parameters()` gives once wrappers are removed."""
+"""Canonical names: parameter names as `model.named_parameters()` gives them once wrappers are removed, and
+the keys of the metrics hf-cfp logs (`LOGGED_METRICS`, rendered as the README's table by `metrics_table`).
+
+Reporters prefix the keys: TensorBoard shows `cfp/math/sensitive_drift` as `train/cfp/math/sensitive_drift`.
+"""
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
+
+from .errors import CFPArgumentError
 
 # Prefixes added by wrappers: DDP/DataParallel (`module.`), torch.compile (`_orig_mod.`),
 # FSDP (`_fsdp_wrapped_module.`) and activation checkpointing (`_checkpoint_wrapped_module.`).
@@ -26,3 +33,109 @@ def named_parameters_once(model: torch.nn.Module, *, trainable_only: bool) -> It
             continue
         seen.add(id(param))
         yield canonical_name(name), param
+
+
+# ---------------------------------------------------------------- logged metric keys
+
+_PLACEHOLDER = re.compile(r"<(?:anchor|name)>")
+
+
+@dataclass(frozen=True)
+class LoggedMetric:
+    """One metric hf-cfp logs. The one place metric keys are spelled: the code builds keys with `key`, the README's
+    table is `metrics_table()`.
+
+    Args:
+        pattern (`str`): the key, `<anchor>` or `<name>` standing for a name (`cfp/<anchor>/sensitive_drift`).
+        meaning (`str`): what the value is (markdown, no `|`).
+        logged (`str`): when it is logged (markdown, no `|`).
+    """
+
+    pattern: str
+    meaning: str
+    logged: str
+
+    def key(self, name: str | None = None) -> str:
+        """The key of this metric for the anchor (or `KLToBaseCallback` name) `name`.
+
+        Args:
+            name (`str`, *optional*):
+                The name that replaces `<anchor>` / `<name>`; only for patterns that have one.
+
+        Returns:
+            `str`: the key, e.g. `cfp/math/sensitive_drift`.
+
+        Raises:
+            CFPArgumentError: `name` is missing for a pattern with a placeholder, or given for one without.
+        """
+        if bool(_PLACEHOLDER.search(self.pattern)) != (name is not None):
+            needs = "needs a name" if name is None else f"takes no name (got {name!r})"
+            raise CFPArgumentError(f"The metric key {self.pattern!r} {needs}.")
+        return self.pattern if name is None else _PLACEHOLDER.sub(name, self.pattern)
+
+
+_EVERY_ANCHOR = "every logging step, per protecting and monitor anchor"
+SENSITIVE_DRIFT = LoggedMetric("cfp/<anchor>/sensitive_drift", "`sqrt(sum_i F_i Delta_i^2)`", _EVERY_ANCHOR)
+PREDICTED_KL = LoggedMetric(
+    "cfp/<anchor>/predicted_kl",
+    "`0.5 sum_i F_i Delta_i^2`, the second-order KL to the base on the anchor's prompts with the diagonal F, nats "
+    '(see "Choosing the strength" for how well it predicts)',
+    _EVERY_ANCHOR,
+)
+FREE_DRIFT = LoggedMetric(
+    "cfp/<anchor>/free_drift",
+    "`norm(Delta)` over the `free_fraction` of coordinates with the smallest `F` (threshold fixed once at bind)",
+    _EVERY_ANCHOR,
+)
+TOTAL_DRIFT = LoggedMetric("cfp/total_drift", "`norm(Delta)` over every covered parameter", "every logging step")
+LAM = LoggedMetric("cfp/<anchor>/lam", "the lam_t of the step", "every logging step, per protecting anchor")
+ADAPTER_RESIDUAL = LoggedMetric(
+    "cfp/<anchor>/adapter_residual",
+    "the share of the CFP target `Delta / (1 + lam F)` the LoRA factors could not represent",
+    "every logging step on a PeftModel with LoRA-adapted weights, for the first protecting anchor",
+)
+TOP1_OVERLAP_NOW = LoggedMetric(
+    "cfp/<anchor>/top1_overlap_now",
+    "the share of the anchor's top-1% coordinates still in the top 1% of F re-estimated at the current weights",
+    "with `recheck_every`: the logging step after each recheck, per protecting anchor",
+)
+KL_TO_BASE = LoggedMetric(
+    "cfp/<name>/kl_to_base",
+    "the KL from the base model to the current one, estimated on the base model's sampled responses to "
+    "held-out prompts, nats",
+    "every logging step, with `KLToBaseCallback(..., name=<name>)`",
+)
+KL_TO_BASE_STDERR = LoggedMetric(
+    "cfp/<name>/kl_to_base_stderr", "the standard error of `kl_to_base`", "with `kl_to_base`"
+)
+
+LOGGED_METRICS = (
+    SENSITIVE_DRIFT,
+    PREDICTED_KL,
+    FREE_DRIFT,
+    TOTAL_DRIFT,
+    LAM,
+    ADAPTER_RESIDUAL,
+    TOP1_OVERLAP_NOW,
+    KL_TO_BASE,
+    KL_TO_BASE_STDERR,
+)
+
+
+def drift_keys(anchors: Iterable[str]) -> list[str]:
+    """The keys of the drift sums in the order `ops.drift.drift_squares` returns them: `cfp/total_drift`, then
+    `cfp/<anchor>/sensitive_drift` and `cfp/<anchor>/free_drift` for each anchor in turn."""
+    return [TOTAL_DRIFT.key()] + [metric.key(a) for a in anchors for metric in (SENSITIVE_DRIFT, FREE_DRIFT)]
+
+
+def metrics_table() -> str:
+    """The "Logged metrics" table of the README, rendered from `LOGGED_METRICS`: one markdown row per metric,
+    `| key | value | logged |` (Delta = theta - theta0). tests/unit/test_names.py checks that the README holds
+    exactly this text.
+
+    Returns:
+        `str`: the markdown table, one line per row, without a trailing newline.
+    """
+    rows = ["| key | value | logged |", "|---|---|---|"]
+    rows += [f"| `{m.pattern}` | {m.meaning} | {m.logged} |" for m in LOGGED_METRICS]
+    return "\n".join(rows)

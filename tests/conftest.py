@@ -20,6 +20,14 @@ torch.set_num_threads(1)
 
 
 from support.hub_server import LocalHub, hub_offline_mode  # noqa: E402  (after HF_HOME is set)
+from transformers.utils.logging import warning_once  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _empty_warning_once_cache() -> None:
+    """transformers' `logger.warning_once` remembers every message for the life of the process: each test starts
+    with it empty, so a test that expects a warning sees it whatever ran before it."""
+    warning_once.cache_clear()
 
 
 @pytest.fixture

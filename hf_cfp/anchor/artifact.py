@@ -47,6 +47,10 @@ class FisherAnchor:
             `metadata["statistics"]` stays as saved when present (else computed, streaming from the files).
         name: capability name used in metric keys (`cfp/<name>/sensitive_drift`).
         metadata: provenance (base model, sampler, number of sequences, prompt fingerprint...).
+
+    Raises:
+        AnchorValidationError: no tensors, a NaN, infinite or negative value (named with its parameter), or a name
+            that cannot be a metric key and Hub path.
     """
 
     def __init__(self, fisher: Mapping[str, torch.Tensor], name: str = "anchor", metadata: Mapping | None = None):
@@ -69,7 +73,11 @@ class FisherAnchor:
 
     def statistics(self) -> dict:
         """Size, scale and concentration of F (`statistics.fisher_statistics`): parameter count,
-        total mass sum_i F_i, mean, max, p99, and the top 1%'s share of the mass."""
+        total mass sum_i F_i, mean, max, p99, and the top 1%'s share of the mass.
+
+        Returns:
+            `dict`: the statistics by name (JSON-serializable; also stored in `metadata["statistics"]`).
+        """
         return fisher_statistics(self.fisher)
 
     @classmethod
@@ -87,6 +95,18 @@ class FisherAnchor:
         `metadata["combined_from"]`: `{"name", "weight", "reference"}` each, the reference being
         `org/model@commit:subfolder` for a part loaded from the Hub and None otherwise (a local path
         is not recorded, so that it never reaches a pushed anchor). Statistics are recomputed.
+
+        Args:
+            anchors (sequence of `FisherAnchor`): the parts, of the same base model.
+            weights (sequence of `float`, *optional*): w_k, one per anchor; defaults to 1/K each.
+            name (`str`, *optional*, defaults to `"combined"`): the combined anchor's name.
+
+        Returns:
+            `FisherAnchor`: the weighted sum.
+
+        Raises:
+            CFPArgumentError: no anchors, or weights of the wrong count, negative, non-finite or all 0.
+            AnchorMismatchError: the parts differ in tensor names, shapes or base-model metadata.
         """
         fisher, metadata = combine_parts(anchors, weights)
         return cls(fisher, name=name, metadata=metadata)
@@ -100,6 +120,15 @@ class FisherAnchor:
         `dtype="bfloat16"` halves the files (values load back as float32); float16 is refused,
         Fisher values underflow in it. Tensors are written to temporary names and renamed, the
         config last, so a failed save leaves an anchor already in the directory intact.
+
+        Args:
+            save_directory (`str` or `os.PathLike`): the directory (created if missing).
+            max_shard_size (`int` or `str`, *optional*, defaults to `"5GB"`): the largest tensor file, in bytes or
+                as `"500MB"`.
+            dtype (`str`, *optional*, defaults to `"float32"`): `"float32"` or `"bfloat16"` on disk.
+
+        Raises:
+            CFPArgumentError: an unknown or refused `dtype`, or an unreadable `max_shard_size`.
         """
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -141,6 +170,22 @@ class FisherAnchor:
         `metadata["statistics"]` are those saved with the anchor (for one saved in bfloat16, those of the
         float32 values before rounding; `anchor.statistics()` recomputes them from the files). `CFPCallback`
         loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the pieces of F it keeps.
+
+        Args:
+            repo_id_or_dir (`str` or `os.PathLike`): a directory, a repo id or a reference (above).
+            subfolder (`str`, *optional*): the anchor's folder in the repo (overrides the reference's).
+            revision (`str`, *optional*): branch, tag, `refs/pr/N` or commit (overrides the reference's).
+            token, cache_dir, local_files_only, endpoint: as in `huggingface_hub.snapshot_download`.
+            lazy (`bool`, *optional*, defaults to `False`): read tensors only when asked (above).
+
+        Returns:
+            `FisherAnchor`: the anchor, with `metadata["hub"]` when it came from the Hub.
+
+        Raises:
+            AnchorNotFoundError: no anchor at that directory, repo, revision or subfolder.
+            AnchorFormatError: a corrupt, truncated or unknown-version anchor.
+            AnchorValidationError: a bad value (NaN, infinite, negative) or an unsafe subfolder.
+            CFPHubError: the Hub refused or failed the download.
         """
         local = Path(repo_id_or_dir) / (subfolder or "")
         if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
@@ -199,7 +244,24 @@ class FisherAnchor:
         Push into the base model's own repo (typically `create_pr=True`) or a separate anchors
         repo; the card's metadata links the base model (`base_model:`) and carries the tags
         `cfp` and `fisher-anchor`. A failed push leaves the remote unchanged. `max_shard_size`
-        and `dtype` are those of `save_pretrained`. Returns the CommitInfo.
+        and `dtype` are those of `save_pretrained`.
+
+        Args:
+            repo_id (`str`): the target repo (`org/model`), created if missing.
+            path_in_repo (`str`, *optional*): the folder in the repo; defaults to `cfp/<name>`.
+            revision (`str`, *optional*): the branch to commit to.
+            create_pr (`bool`, *optional*, defaults to `False`): open a pull request instead of committing.
+            commit_message (`str`, *optional*): defaults to "Add CFP Fisher anchor '<name>'".
+            private (`bool`, *optional*): visibility of a repo this creates.
+            token, endpoint: as in `huggingface_hub.HfApi`.
+            max_shard_size, dtype: as in `save_pretrained`.
+
+        Returns:
+            `huggingface_hub.CommitInfo`: the commit (or pull request) made.
+
+        Raises:
+            AnchorValidationError: an unsafe `path_in_repo`.
+            CFPHubError: the Hub refused or failed the upload (nothing is changed remotely).
         """
         path_in_repo = safe_subfolder(path_in_repo or f"cfp/{self.name}")
         with tempfile.TemporaryDirectory(prefix="hf-cfp-push-") as staging:

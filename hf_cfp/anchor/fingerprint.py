@@ -12,18 +12,19 @@ sampled tensor that is quantized here is not hashed. The weights left unquantize
 """
 
 import hashlib
-import logging
 import math
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers.utils import logging
 
 from ..errors import AnchorMismatchError
 from ..names import named_parameters_once
+from ..parallel.processes import log_on_main_process
 from ..parallel.shards import held_pieces
 from ..quantized import logical_shape, quantization
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 FINGERPRINT_VERSION = 1
 SAMPLE_BYTES = 1 << 20  # bytes hashed per sampled tensor
@@ -147,7 +148,8 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
             problems.append(f"{len(changed) - 3} more parameters differ in dtype or shape")
     elif any(quantization(p) is not None for p in params.values()):
         # only a hash of `name<TAB>dtype[shape]` lines is stored, and the dtypes of quantized weights are gone
-        logger.warning(
+        log_on_main_process(
+            logger.warning_once,
             "The anchor's fingerprint lists no parameters (its base has over %d): names and shapes of this "
             "quantized model cannot be compared with it, only the parameter count.",
             MAX_LISTED,
@@ -196,4 +198,4 @@ def check_fingerprint(
     )
     if strict:
         raise AnchorMismatchError(message)
-    logger.warning(message)
+    log_on_main_process(logger.warning_once, message)

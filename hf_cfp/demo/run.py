@@ -26,6 +26,7 @@ from transformers import PrinterCallback, Trainer, TrainingArguments
 
 from ..fisher import estimate_fisher
 from ..integrations import CFPCallback
+from ..names import ADAPTER_RESIDUAL, FREE_DRIFT, SENSITIVE_DRIFT, TOTAL_DRIFT
 from .bundled import calibration_prompts, pirate_style_pairs
 from .capability import report_capability
 from .models import EMBEDDED, load_causal_lm, tiny_llama
@@ -86,7 +87,7 @@ def _train(model, dataset, callback, steps: int, output_dir: Path, learning_rate
     trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
     trainer.remove_callback(PrinterCallback)  # the comparison table is printed at the end instead
     trainer.train()
-    return [row for row in trainer.state.log_history if "cfp/total_drift" in row]
+    return [row for row in trainer.state.log_history if TOTAL_DRIFT.key() in row]
 
 
 def run_demo(
@@ -150,7 +151,7 @@ def run_demo(
 
 
 def _report(histories: dict, peft: bool = False) -> float:
-    key, free, residual = "cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/math/adapter_residual"
+    key, free, residual = SENSITIVE_DRIFT.key("math"), FREE_DRIFT.key("math"), ADAPTER_RESIDUAL.key("math")
     if peft:
         print("\nDrift of the merged model (base + LoRA) from the base weights; 'residual cfp' is the share of")
         print("full-parameter CFP's target the LoRA factors could not represent.")
@@ -184,8 +185,8 @@ def _plot(histories: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, rows in histories.items():
         ax.plot(
-            [r["cfp/math/free_drift"] for r in rows],
-            [r["cfp/math/sensitive_drift"] for r in rows],
+            [r[FREE_DRIFT.key("math")] for r in rows],
+            [r[SENSITIVE_DRIFT.key("math")] for r in rows],
             marker="o",
             markersize=3,
             label=arm,

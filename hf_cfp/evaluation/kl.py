@@ -27,11 +27,20 @@ from ..errors import CFPArgumentError
 from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
 from ..fisher.scoring import batched_sequence_log_probs
+from ..names import KL_TO_BASE, KL_TO_BASE_STDERR
 
 
 @dataclass(frozen=True)
 class KLEstimate:
-    """KL_hat (nats) and its standard error, over `num_prompts` prompts x `num_samples_per_prompt` responses."""
+    """KL_hat (nats) and its standard error, over `num_prompts` prompts x `num_samples_per_prompt` responses
+    ([`kl_to_base_with_stderr`]).
+
+    Args:
+        kl (`float`): KL_hat = (1/(P m)) sum_p sum_j [log mu_0(y_pj|x_p) - log mu_theta(y_pj|x_p)], nats.
+        stderr (`float`): its standard error, sqrt(sum_p s_p^2 / m) / P.
+        num_prompts (`int`): P.
+        num_samples_per_prompt (`int`): m.
+    """
 
     kl: float
     stderr: float
@@ -39,8 +48,15 @@ class KLEstimate:
     num_samples_per_prompt: int
 
     def metrics(self, name: str) -> dict[str, float]:
-        """`cfp/<name>/kl_to_base` and `cfp/<name>/kl_to_base_stderr`."""
-        return {f"cfp/{name}/kl_to_base": self.kl, f"cfp/{name}/kl_to_base_stderr": self.stderr}
+        """The metrics `KLToBaseCallback` logs.
+
+        Args:
+            name (`str`): the capability's name in the keys.
+
+        Returns:
+            `dict[str, float]`: `cfp/<name>/kl_to_base` -> kl and `cfp/<name>/kl_to_base_stderr` -> stderr.
+        """
+        return {KL_TO_BASE.key(name): self.kl, KL_TO_BASE_STDERR.key(name): self.stderr}
 
 
 def kl_estimate(base_log_probs: torch.Tensor, log_probs: torch.Tensor, num_samples_per_prompt: int) -> KLEstimate:
@@ -156,7 +172,19 @@ def kl_to_base_with_stderr(
     batch_size: int = 8,
     eos_token_id: int | list[int] | None = None,
 ) -> KLEstimate:
-    """`kl_to_base` with its standard error: a `KLEstimate` (kl, stderr, num_prompts, num_samples_per_prompt)."""
+    """`kl_to_base` with its standard error, stderr = sqrt(sum_p s_p^2 / m) / P (s_p^2: the sample variance of
+    prompt p's m log-ratios log mu_0(y|x_p) - log mu_theta(y|x_p)).
+
+    Args:
+        base_model, model, tokenizer, prompts, num_samples_per_prompt, max_new_tokens, temperature, seed,
+        batch_size, eos_token_id: as in [`kl_to_base`].
+
+    Returns:
+        [`KLEstimate`]: `kl` (nats), `stderr`, `num_prompts` and `num_samples_per_prompt`.
+
+    Raises:
+        CFPArgumentError: as [`kl_to_base`].
+    """
     base = draw_base_responses(
         base_model,
         tokenizer,
@@ -213,6 +241,13 @@ def kl_to_base(
         seed: the same seed and batch_size give the same responses.
         batch_size: responses sampled and scored together.
         eos_token_id: ends a response; default the base model's generation config, then the tokenizer's.
+
+    Returns:
+        `float`: KL_hat in nats (0 exactly for `kl_to_base(base, base)`).
+
+    Raises:
+        CFPArgumentError: a non-positive count or negative seed, a bad temperature, no prompts, text prompts
+            without a tokenizer, or a dataset without a `prompt` column.
     """
     return kl_to_base_with_stderr(
         base_model,

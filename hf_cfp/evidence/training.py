@@ -17,6 +17,7 @@ from ..anchor import FisherAnchor
 from ..demo.bundled import pirate_preference_triples, pirate_style_pairs
 from ..demo.run import sft_examples
 from ..integrations import CFPCallback
+from ..names import SENSITIVE_DRIFT, TOTAL_DRIFT
 from .controls import KLPenaltySFTTrainer, StepOnlyCallback
 from .plan import DOMAINS, Arm, Plan
 
@@ -112,6 +113,6 @@ def train_arm(arm: Arm, base_model, tokenizer, anchors: dict[str, FisherAnchor],
     trainer = build(arm, model, base_model, tokenizer, plan, callbacks, output_dir)
     trainer.remove_callback(PrinterCallback)
     trainer.train()
-    last = [row for row in trainer.state.log_history if "cfp/total_drift" in row][-1]
-    drift = {f"{d}/dtfd": last[f"cfp/{d}/sensitive_drift"] ** 2 for d in DOMAINS}
-    return model, {**drift, "loss": last.get("loss", float("nan")), "total_drift": last["cfp/total_drift"]}
+    last = [row for row in trainer.state.log_history if TOTAL_DRIFT.key() in row][-1]
+    drift = {f"{d}/dtfd": last[SENSITIVE_DRIFT.key(d)] ** 2 for d in DOMAINS}
+    return model, {**drift, "loss": last.get("loss", float("nan")), "total_drift": last[TOTAL_DRIFT.key()]}

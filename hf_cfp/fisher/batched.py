@@ -41,25 +41,23 @@ B is no evidence: an MoE expert called on gathered tokens, ``expert(hidden.view(
 gets (n, H) with rows from any sequences, and n = B happens.
 """
 
-import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.utils import logging
 
 from ..errors import CFPArgumentError
+from ..parallel.processes import log_on_main_process
 from .backward import Consumer
 from .memory import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
 from .sampling import Sampler
 from .scoring import PaddedBatch, add_squared_score, sequence_log_prob
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 __all__ = ["add_batched_squared_scores"]
-
-_LOGGED: "weakref.WeakKeyDictionary[nn.Module, set]" = weakref.WeakKeyDictionary()
 
 
 def add_batched_squared_scores(
@@ -285,13 +283,11 @@ def _log_fallback(model, params, fallback):
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     listed = sorted(names.get(id(params[i]), f"params[{i}]") for i in fallback)
-    logged = _LOGGED.setdefault(model, set())
-    if tuple(listed) not in logged:  # once per model and set of parameters, not once per batch
-        logged.add(tuple(listed))
-        logger.warning(
-            "Batched Fisher engine: %d parameter tensor(s) not covered by its module formulas (unknown module, "
-            "used outside it, modified in place, or called on activations not laid out (batch, time) like "
-            "input_ids, e.g. gathered MoE tokens) use the exact per-sequence loop instead (slower): %s",
-            len(listed),
-            ", ".join(listed),
-        )
+    log_on_main_process(  # once per process and set of parameters, not once per batch
+        logger.warning_once,
+        "Batched Fisher engine: %d parameter tensor(s) not covered by its module formulas (unknown module, "
+        "used outside it, modified in place, or called on activations not laid out (batch, time) like "
+        "input_ids, e.g. gathered MoE tokens) use the exact per-sequence loop instead (slower): %s",
+        len(listed),
+        ", ".join(listed),
+    )

@@ -104,6 +104,15 @@ def estimate_fisher(
             while (sequences x padded length) <= scoring_tokens (at least one sequence): the scoring
             memory grows with these tokens (about 2.6 MB each for a 135M model in float32), so the
             sampling batch does not set it. `_scoring_groups` states the rule.
+
+    Returns:
+        [`FisherAnchor`]: F by canonical parameter name (float32, CPU), named `name`, with its metadata: the
+        sampler, seed, counts, mean response length (the Fisher's scale), prompt hash, base fingerprint and
+        split-half statistics.
+
+    Raises:
+        CFPArgumentError: an unknown estimator or engine, a non-positive count or negative seed, a bad sampler
+            setting, no prompts, text prompts without a tokenizer, or `responses` that do not fit the estimator.
     """
     if estimator not in ESTIMATORS:
         raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")

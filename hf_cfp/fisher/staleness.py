@@ -7,14 +7,15 @@ over the anchor's parameters. The cost is one `estimate_fisher` call with the an
 `num_sequences` responses of up to its `max_new_tokens`), about the time it took to build the anchor.
 """
 
-import logging
+from transformers.utils import logging
 
 from ..anchor import FisherAnchor
 from ..anchor.compare import layout_difference, top_overlap
 from ..errors import AnchorMismatchError
+from ..parallel.processes import log_on_main_process
 from .estimate import estimate_fisher
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 def reestimate(anchor: FisherAnchor, model, tokenizer, prompts, show_progress: bool = False) -> FisherAnchor:
@@ -40,7 +41,8 @@ def reestimate(anchor: FisherAnchor, model, tokenizer, prompts, show_progress: b
         show_progress=show_progress,
     )
     if meta.get("prompts_sha256") not in (None, fresh.metadata["prompts_sha256"]):
-        logger.warning(
+        log_on_main_process(
+            logger.warning_once,
             "Re-estimating anchor %r on prompts other than its calibration prompts (sha256 differs): the overlap "
             "then mixes a change of prompts with the change of weights.",
             anchor.name,

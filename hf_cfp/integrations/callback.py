@@ -1,6 +1,5 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (glue over the loop API, `CFP`)."""
 
-import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -8,10 +7,11 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
-from ..parallel import refuse_unsupported_layout
+from ..parallel import log_on_main_process, refuse_unsupported_layout
 from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
 from .loop import CFP, anchor_list
 from .recheck import AnchorRecheck
@@ -21,7 +21,7 @@ from .settings import ProtectionSettings
 from .strength import LamSchedule, first_lr
 from .trace import record_trace
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 class CFPCallback(TrainerCallback):
@@ -228,7 +228,7 @@ class CFPCallback(TrainerCallback):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
             self.cfp = CFP.bound(model, anchors, self.settings, optimizer, theta0)
-            strength = self.settings.strength
+            strength = self.settings.strength  # per process: under sharding each describes the coordinates it holds
             logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
             if self.cfp.protection.sparse_report is not None:
                 logger.info(strength.describe_sparse(self.cfp.protection))
@@ -250,7 +250,8 @@ class CFPCallback(TrainerCallback):
         if checkpoint is not None and has_saved_theta0(checkpoint):
             return SavedTheta0(checkpoint)
         if self.restart_path_on_resume:
-            logger.info(
+            log_on_main_process(
+                logger.info,
                 "CFPCallback: no saved theta0 in %s; the protected path restarts at the resumed weights "
                 "(restart_path_on_resume=True).",
                 checkpoint,

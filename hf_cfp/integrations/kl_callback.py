@@ -1,16 +1,17 @@
 """KLToBaseCallback: the capability KL to the base model, logged during training without a second model."""
 
-import logging
 from typing import Any
 
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.utils import logging
 
 from ..errors import CFPArgumentError
 from ..evaluation import BaseResponses, draw_base_responses
 from ..fisher.prompts import to_token_ids
+from ..parallel import log_on_main_process
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 class KLToBaseCallback(TrainerCallback):
@@ -43,6 +44,9 @@ class KLToBaseCallback(TrainerCallback):
         name (`str`, *optional*, defaults to `"capability"`): the capability, in the metric keys.
         num_samples_per_prompt, max_new_tokens, temperature, seed, batch_size, eos_token_id: as in
             [`kl_to_base`].
+
+    Raises:
+        CFPArgumentError: an empty `name`, no prompts, or text prompts without a tokenizer.
 
     Example:
 
@@ -82,7 +86,14 @@ class KLToBaseCallback(TrainerCallback):
         self._attached = False
 
     def attach(self, trainer: Trainer) -> "KLToBaseCallback":
-        """Add this callback to `trainer` just before its reporting callbacks (see `CFPCallback.attach`)."""
+        """Add this callback to `trainer` just before its reporting callbacks (see `CFPCallback.attach`).
+
+        Args:
+            trainer (`transformers.Trainer`): the trainer (TRL trainers included) about to train.
+
+        Returns:
+            `KLToBaseCallback`: this callback.
+        """
         attach_before_reporters(trainer, self)
         self._attached = True
         return self
@@ -92,7 +103,8 @@ class KLToBaseCallback(TrainerCallback):
     ) -> None:
         if self.base is None:
             if state.global_step > 0:
-                logger.warning(
+                log_on_main_process(
+                    logger.warning_once,
                     "KLToBaseCallback[%s]: training resumes at step %d, so the base responses are drawn from the "
                     "resumed weights and kl_to_base is measured from them, not from the original base model.",
                     self.name,

@@ -94,7 +94,8 @@ class CFP:
         self.steps = 0  # optimizer steps corrected
 
     def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
-        """Correct the weights after an optimizer step; returns the lam_t of each protecting anchor.
+        """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)
+        with lam_t from `lam` (or solved for `kl_budget`) at this step.
 
         Args:
             step (`int`, *optional*): the optimizer step just taken (1-based); defaults to counting the calls.
@@ -102,6 +103,9 @@ class CFP:
                 first param group's.
             measure_residual (`bool`, *optional*): on LoRA-adapted weights, measure the share of the target the
                 adapter missed, reported by the next `metrics()` as `cfp/<anchor>/adapter_residual`.
+
+        Returns:
+            `list[float]`: the lam_t of each protecting anchor.
         """
         self.steps = self.steps + 1 if step is None else step
         learning_rate = lr if lr is not None else first_lr(self.optimizer)
@@ -111,7 +115,11 @@ class CFP:
 
     def metrics(self) -> dict[str, float]:
         """The `cfp/*` drift metrics now (the same keys and values `CFPCallback` logs); with sharded parameters
-        every process must call it (one collective)."""
+        every process must call it (one collective).
+
+        Returns:
+            `dict[str, float]`: metric key -> value, the same on every process (`hf_cfp.names.LOGGED_METRICS`).
+        """
         return self.protection.drift_metrics()
 
     def refresh(self, anchors: Sequence[FisherAnchor]) -> None:
@@ -126,7 +134,12 @@ class CFP:
     def state_dict(self) -> dict[str, Any]:
         """What a resumed loop needs: the steps taken, the last lams, this process's theta0 pieces (in the
         parameters' dtype) and, on a PEFT model, the LoRA factors at train begin, all on the CPU. Save it with
-        your checkpoint, per process."""
+        your checkpoint, per process.
+
+        Returns:
+            `dict[str, Any]`: `{"steps": int, "lams": list[float], "theta0": {name: tensor}, "lora0": {weight name:
+            [(s0, B0, A0) per active adapter]}}`.
+        """
         pieces = Theta0Pieces.of(self.protection)
         theta0 = {name: t.detach().cpu().clone() for name, t in pieces.theta0.items()}
         lora0 = {
@@ -137,7 +150,15 @@ class CFP:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the path of `state` (from `state_dict`): rebind with its theta0 (and LoRA factors) and step
-        count."""
+        count.
+
+        Args:
+            state (`dict[str, Any]`): what `state_dict` returned on this process.
+
+        Raises:
+            CFPError: `state` holds no theta0 for a parameter the anchors cover on this model, or no LoRA factors
+                for an adapted weight.
+        """
         saved = Theta0Pieces(state["theta0"], state.get("lora0"), "the CFP state_dict")
         self._bind(self.protection.model, self.anchors, self.settings, self.optimizer, saved)
         self.protection.lams = list(state["lams"])

@@ -9,6 +9,7 @@ from typing import Any
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError
 from ..fisher.staleness import reestimate, top1_overlap
+from ..names import TOP1_OVERLAP_NOW
 
 
 class AnchorRecheck:
@@ -46,7 +47,7 @@ class AnchorRecheck:
         overlaps, fresh = {}, []
         for anchor in anchors:
             now = reestimate(anchor, model, tokenizer, self.prompts[anchor.name])
-            overlaps[f"cfp/{anchor.name}/top1_overlap_now"] = top1_overlap(anchor, now)
+            overlaps[TOP1_OVERLAP_NOW.key(anchor.name)] = top1_overlap(anchor, now)
             fresh.append(
                 FisherAnchor(now.fisher, name=anchor.name, metadata={**now.metadata, "refreshed_from": anchor.name})
             )

@@ -14,7 +14,6 @@ the callback just before the first reporter:
 In `on_log` the callback also updates the history entry of that step (`add_to_step_log`).
 """
 
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -23,10 +22,13 @@ from types import FrameType
 from transformers import Trainer, TrainerCallback, TrainerState
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer_callback import CallbackHandler
+from transformers.utils import logging
+
+from ..parallel import log_on_main_process
 
 _REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,8 @@ def place_at_train_begin(callback: TrainerCallback, call: TrainerCall | None) ->
     if call is not None:
         move_before_reporters(call.handler, callback)
         return
-    logger.warning(
+    log_on_main_process(
+        logger.warning_once,
         "%s could not find the Trainer's callback handler: its metrics reach the console and "
         "state.log_history only. Call `callback.attach(trainer)` before trainer.train() to place it "
         "before the reporting callbacks.",

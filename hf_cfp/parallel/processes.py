@@ -4,6 +4,9 @@ Works under `accelerate launch` / `torchrun` (any initialized torch.distributed 
 degrades to a single process otherwise.
 """
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -13,6 +16,25 @@ def process_rank_and_count() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def log_on_main_process(log: Callable[..., None], message: str, *args: Any) -> None:
+    """Call `log(message, *args)` on the main process (rank 0, or the only process) and nowhere else.
+
+    For messages every process would emit alike (the same model, anchor and arguments everywhere), so that a
+    run on n processes prints them once, not n times. `log` is a logger method: `logger.warning_once` (once
+    per process and message, transformers' cache), `logger.warning` or `logger.info`.
+
+    Args:
+        log (`Callable`):
+            A bound logger method, e.g. `logger.warning_once` of `transformers.utils.logging.get_logger(__name__)`.
+        message (`str`):
+            The %-style format string.
+        *args:
+            Its arguments (hashable, for `warning_once`'s cache).
+    """
+    if process_rank_and_count()[0] == 0:
+        log(message, *args)
 
 
 @torch.no_grad()

@@ -6,22 +6,23 @@ of F at the same offsets, and corrects and measures that piece alone. From an an
 files (`FisherAnchor.from_pretrained(..., lazy=True)`) only those slices are read.
 """
 
-import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers.utils import logging
 
 from ..anchor import FisherAnchor
 from ..anchor.lazy import fisher_shape, read_block, read_flat
 from ..errors import AnchorMismatchError
 from ..names import canonical_name
+from ..parallel.processes import log_on_main_process
 from ..parallel.shards import dtensor_flat_range, dtensor_local_block, held_pieces
 from ..quantized import logical_shape
 
-logger = logging.getLogger(__name__)
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -111,5 +112,7 @@ def bind_anchor(
                 held, sharded, fisher = HeldRange(0, numel, numel), False, anchor.fisher[name]
             bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
     if frozen:
-        logger.info("Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0])
+        log_on_main_process(
+            logger.info, "Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0]
+        )
     return bound

@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
+from ..names import drift_keys
 from ..ops import DriftView, drift_squares
 from ..ops.lora_correction import LoraFactors
 
@@ -229,7 +230,7 @@ def adapted_drift_sq(
     `cfp/<anchor>/sensitive_drift`: sum F Delta_W^2, `cfp/<anchor>/free_drift`: sum of Delta_W^2 where
     F <= threshold, and `cfp/total_drift`: sum Delta_W^2 (each weight once), all squared.
     """
-    keys = ["cfp/total_drift"] + [f"cfp/{n}/{m}" for n in covered for m in ("sensitive_drift", "free_drift")]
+    keys = drift_keys(covered)
     sums = torch.zeros(len(keys), dtype=torch.float64)
     for i, weight in enumerate(adapted):
         views = [DriftView([fishers.get(i)], threshold) for fishers, threshold in covered.values()]

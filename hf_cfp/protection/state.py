@@ -12,6 +12,7 @@ import torch
 from ..anchor import FisherAnchor
 from ..anchor.lazy import TensorsOf
 from ..errors import CFPArgumentError
+from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
@@ -26,19 +27,30 @@ from .theta0 import Theta0Reader
 class CFPState:
     """Binds protecting anchors and monitor anchors to `model` and snapshots theta0.
 
-    theta0 (`memory`: where and in which dtype) is kept for every trainable parameter any anchor covers, so
-    `cfp/total_drift` = ||theta - theta0|| runs over that union. Only the protecting anchors (`anchor`: one,
-    or a sequence) correct: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k), one pass.
-    theta0 and F are this process's part of each parameter (the local shard of a DTensor); the
-    free-drift threshold comes from the anchor's full F, so it is the same on every process.
-    `theta0` (a `Theta0Reader`, such as `checkpoint.SavedTheta0`) restores a saved theta0 instead of
-    snapshotting the current weights: resuming from a checkpoint, with any number of processes (and, on a
-    PeftModel, the LoRA factors at train begin).
+    theta0 is kept for every trainable parameter any anchor covers, so `cfp/total_drift` = ||theta - theta0|| runs
+    over that union. Only the protecting anchors correct: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k),
+    one pass. theta0 and F are this process's part of each parameter (the local shard of a DTensor); the free-drift
+    threshold comes from the anchor's full F, so it is the same on every process.
 
-    On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base
-    parameters (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is
-    measured by its merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`) and corrected through its LoRA
-    factors by `lora_rule` (`ops.lora_correction`: "proximal_b", "least_squares_b" or "factor_space").
+    On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base parameters
+    (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is measured by its
+    merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`) and corrected through its LoRA factors (`lora_rule`).
+
+    Args:
+        model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
+        anchor ([`FisherAnchor`] or a sequence of them): the protecting anchor(s).
+        monitors (sequence of [`FisherAnchor`], *optional*, defaults to `()`): anchors measured, not corrected.
+        free_fraction (`float`, *optional*, defaults to `0.99`): the smallest-F share `free_drift` runs over.
+        optimizer (`torch.optim.Optimizer`, *optional*): under DeepSpeed ZeRO, its fp32 masters are corrected too.
+        theta0 (`Theta0Reader`, *optional*): a saved theta0 (`checkpoint.SavedTheta0`) restored instead of a snapshot
+            of the weights: resuming, under any number of processes (on a PeftModel, the LoRA factors at train begin).
+        lora_rule (`str`, *optional*, defaults to `"proximal_b"`): "proximal_b", "least_squares_b" or "factor_space"
+            (`ops.lora_correction`).
+        memory (`MemoryPlan`, *optional*): where and in which dtype theta0 and F are kept (default: dense, F float32).
+
+    Raises:
+        CFPArgumentError: no protecting anchor, or a sparse plan under DeepSpeed ZeRO.
+        AnchorMismatchError: an anchor covers a parameter the model does not have, or with another shape.
     """
 
     def __init__(
@@ -48,7 +60,7 @@ class CFPState:
         monitors: Sequence[FisherAnchor] = (),
         free_fraction: float = 0.99,
         optimizer: torch.optim.Optimizer | None = None,
-        theta0: "Theta0Reader | None" = None,
+        theta0: Theta0Reader | None = None,
         lora_rule: str = "proximal_b",
         memory: MemoryPlan | None = None,
     ):
@@ -163,9 +175,17 @@ class CFPState:
         self.adapted_views = {name: (adapted_fisher[name], thresholds[name]) for name in bound}
 
     def correct(self, lam: float | Sequence[float], measure_residual: bool = False) -> None:
-        """theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k) on every protected parameter (`lam`: one per
-        protecting anchor; a number for one anchor); on LoRA-adapted weights the same through their factors (with
-        `measure_residual`, `cfp/<anchor>/adapter_residual` is measured and reported by the next `drift_metrics`)."""
+        """theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k) on every protected parameter; on LoRA-adapted
+        weights the same through their factors.
+
+        Args:
+            lam (`float` or sequence of `float`): lam_k >= 0, one per protecting anchor (a number for one anchor).
+            measure_residual (`bool`, *optional*, defaults to `False`): measure `cfp/<anchor>/adapter_residual`,
+                reported by the next `drift_metrics`.
+
+        Raises:
+            CFPArgumentError: not one lam per protecting anchor.
+        """
         self.lams = [float(lam)] if isinstance(lam, (int, float)) else [float(v) for v in lam]
         if len(self.lams) != len(self.protecting):
             raise CFPArgumentError(
@@ -187,9 +207,12 @@ class CFPState:
             self.master.correct(self.lams)
 
     def footprint(self) -> tuple[int, int]:
-        """(bytes CFP keeps beside the parameters, bytes it keeps offloaded to CPU memory) for the full-parameter
-        coordinates: theta0 and every anchor's F, and in sparse mode the kept indices, theta0 and F (LoRA
-        snapshots and DeepSpeed master fragments not counted). Each storage is counted once."""
+        """The memory CFP keeps for the full-parameter coordinates: theta0 and every anchor's F, and in sparse mode the
+        kept indices, theta0 and F (LoRA snapshots and DeepSpeed master fragments not counted), each storage once.
+
+        Returns:
+            `tuple[int, int]`: (bytes CFP keeps beside the parameters, bytes it keeps offloaded to CPU memory).
+        """
         full = [*self.theta0, *(f for _, fishers, _ in self.views.values() for f in fishers)]
         kept = [t for part in (self.sparse.indices, self.sparse.theta0) for t in part] if self.sparse else []
         kept += [f for row in self.sparse.rows for f in row if f is not None] if self.sparse else []
@@ -199,9 +222,16 @@ class CFPState:
         return (kept_bytes, full_bytes) if self.memory.offloaded else (full_bytes, 0)
 
     def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
-        """(protected coordinates on this process, the share of them with P = sum_k lam_k F_k > 1, the 99th and
-        the 99.9th percentile of P) over the full-parameter protected tensors (LoRA-adapted weights not counted).
-        P is computed a tensor at a time."""
+        """How strong the pull P = sum_k lam_k F_k is over this process's full-parameter protected coordinates
+        (LoRA-adapted weights not counted); P is computed a tensor at a time.
+
+        Args:
+            lams (sequence of `float`): lam_k of each protecting anchor.
+
+        Returns:
+            `tuple[int, float, float, float]`: (protected coordinates, the share of them with P > 1, the 99th and the
+            99.9th percentile of P).
+        """
         strengths = PullStrengths([row for _, row in self.protected], lams)
         count = sum(next(f for f in row if f is not None).numel() for _, row in self.protected)
         if count == 0:
@@ -210,11 +240,21 @@ class CFPState:
         return count, halved, free_threshold(strengths, 0.99), free_threshold(strengths, 0.999)
 
     def budget_lams(self, budgets: Sequence[float], tolerance: float = 0.01) -> list[float]:
-        """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta, Delta the corrected
-        displacement of the optimizer's proposal now in the parameters, within its budget (nats) and pull no
-        harder (`ops.budget`), warm-started from the last lams. Every process gets the same lams (the sums over
-        sharded parameters are all-reduced: one collective per evaluation). LoRA-adapted weights are not covered:
-        the adapters can represent the target only in part (`kl_budget` refuses them at bind). Dense plans only."""
+        """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta (Delta: the corrected
+        displacement now in the parameters) within its budget (nats), pulling no harder (`ops.budget`), warm-started
+        from the last lams; the same on every process (sums over sharded parameters are all-reduced, one collective
+        per evaluation). Not over LoRA-adapted weights: adapters represent the target only in part (refused at bind).
+
+        Args:
+            budgets (sequence of `float`): the budget B_k in nats of each protecting anchor.
+            tolerance (`float`, *optional*, defaults to `0.01`): the solve's relative tolerance (`ops.budget`).
+
+        Returns:
+            `list[float]`: lam_k,t >= 0 of each protecting anchor (0 while its budget holds without a pull).
+
+        Raises:
+            CFPArgumentError: a sparse memory plan (dense plans only).
+        """
         if self.sparse is not None:
             raise CFPArgumentError("kl_budget needs a dense memory plan (sparse=None): it sums over every coordinate.")
         parts = [
@@ -245,8 +285,11 @@ class CFPState:
         local tensors, where only sharded ones are all-reduced (a replicated tensor counts once).
         Every process returns the same, global values; with sharded parameters every process must
         call this (one collective). Builds no autograd graph: every input is detached.
+
+        Returns:
+            `dict[str, float]`: metric key (`hf_cfp.names.LOGGED_METRICS`) -> value.
         """
-        keys = ["cfp/total_drift"] + [f"cfp/{n}/{m}" for n in self.views for m in ("sensitive_drift", "free_drift")]
+        keys = drift_keys(self.views)
         fisher_at = {name: dict(zip(view[0], view[1], strict=True)) for name, view in self.views.items()}
         sums = []
         for sharded in (False, True):  # replicated tensors count once; shards are summed across processes
@@ -264,11 +307,11 @@ class CFPState:
         totals = (replicated + shard_sums.cpu()).tolist()
         metrics = {key: math.sqrt(value) for key, value in zip(keys, totals, strict=True)}
         for name in self.views:  # KL(mu_0 || mu_theta) ~ 0.5 Delta^T F Delta on the anchor's calibration prompts
-            metrics[f"cfp/{name}/predicted_kl"] = 0.5 * metrics[f"cfp/{name}/sensitive_drift"] ** 2
+            metrics[PREDICTED_KL.key(name)] = 0.5 * metrics[SENSITIVE_DRIFT.key(name)] ** 2
         for name, lam in zip(self.protecting, self.lams, strict=True):
-            metrics[f"cfp/{name}/lam"] = lam
+            metrics[LAM.key(name)] = lam
         if self.adapters.residual is not None:
-            metrics[f"cfp/{self.protecting[0]}/adapter_residual"] = self.adapters.residual
+            metrics[ADAPTER_RESIDUAL.key(self.protecting[0])] = self.adapters.residual
         return metrics
 
 

@@ -28,8 +28,8 @@ from support.distributed import (
     KEYS,
     LORA_KEYS,
     RESUME_STEP,
-    ROWS,
     Resume,
+    check_ddp_equals_one_process,
     check_lora_equals_one_process,
     check_pieces_equal_initial,
     initial_params,
@@ -42,7 +42,6 @@ from support.distributed import (
     restored_in_one_process,
     run_worker,
     save_one_process_theta0,
-    trainer_run,
 )
 
 from hf_cfp import CFPError
@@ -98,20 +97,8 @@ def check_metrics(ranks, mode, theta0):
 
 
 def test_ddp_trainer_equals_one_process(ranks, tmp_path):
-    theta0 = {n: p.detach().clone() for n, p in make_model().named_parameters()}
-    model = make_model()
-    single_logs = trainer_run(model, [make_callback(model)], tmp_path / "one", per_device_batch=ROWS)
-    single = {n: p.detach() for n, p in model.named_parameters()}
-    plain_model = make_model()
-    trainer_run(plain_model, [], tmp_path / "plain", per_device_batch=ROWS)
-    plain = {n: p.detach() for n, p in plain_model.named_parameters()}
-
-    assert max_diff(ranks[0]["ddp_params"], ranks[1]["ddp_params"]) == 0  # the same correction everywhere
-    diff, effect = max_diff(ranks[0]["ddp_params"], single), max_diff(single, plain)
-    assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (diff, effect)
-    logs = check_metrics(ranks, "ddp", theta0)
-    for key in KEYS:
-        assert logs[key] == pytest.approx(single_logs[key], rel=1e-5), key
+    check_ddp_equals_one_process([r["ddp_params"] for r in ranks], [r["ddp_logs"] for r in ranks], tmp_path)
+    check_metrics(ranks, "ddp", initial_params())
 
 
 def matches_single_loop_run(ranks, mode):

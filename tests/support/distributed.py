@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerControl, TrainerState, TrainingArgument
 
 from hf_cfp import CFPCallback, FisherAnchor
 from hf_cfp.protection import CFPState, SavedTheta0, save_theta0
-from support.tiny import tiny_llama, torchrun
+from support.tiny import accelerate_launch, tiny_llama, torchrun
 
 TESTS = Path(__file__).resolve().parents[1]
 WORKERS = TESTS / "workers"
@@ -38,8 +38,21 @@ RESUME_STEP = 2  # interrupted runs save theta0 after this step and resume there
 def run_worker(script, *args, env=None, **kwargs):
     """`torchrun` of tests/workers/<script> with `tests/` on PYTHONPATH, so that the worker imports
     `support.*` as the tests do; returns the CompletedProcess."""
+    return torchrun(WORKERS / script, *args, env=_worker_env(env), **kwargs)
+
+
+def launch_worker(script, *args, config_file, launch_args=(), env=None):
+    """tests/workers/<script> through the real `accelerate launch --config_file <config_file>` on the CPU
+    (`support.tiny.accelerate_launch`), with `tests/` on PYTHONPATH; returns the CompletedProcess."""
+    return accelerate_launch(
+        WORKERS / script, *args, config_file=config_file, launch_args=launch_args, env=_worker_env(env)
+    )
+
+
+def _worker_env(env):
+    """`env` plus `tests/` in front of PYTHONPATH, so that a worker imports `support.*` as the tests do."""
     pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
-    return torchrun(WORKERS / script, *args, env={"PYTHONPATH": pythonpath, **(env or {})}, **kwargs)
+    return {"PYTHONPATH": pythonpath, **(env or {})}
 
 
 def make_model():
@@ -143,6 +156,33 @@ def check_lora_equals_one_process(per_rank_params, per_rank_logs, output_dir):
         if key in reference:
             assert logs[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-12), key
     assert 0 < logs["cfp/math/adapter_residual"] < 1 and reference["cfp/math/sensitive_drift"] > 0
+
+
+def check_ddp_equals_one_process(per_rank_params, per_rank_logs, output_dir):
+    """The parameters trained by 2 DDP processes (lam > 0) equal each other bitwise and a one-process Trainer run
+    of the same global batch within 1e-5, while the callback's effect is > 1000x larger; the logged metrics are
+    the same on both processes and equal the one-process ones (rel 1e-5). Returns (difference, effect).
+
+    Why 1e-5: both runs see the same 4 rows and the same initial weights; only the float32 summation order of
+    the gradient differs (two means of 2 rows averaged by the all-reduce, against one mean of 4 rows), about
+    1e-7 relative, and the CFP correction is a deterministic function of the replicated weights. AdamW's
+    normalized steps (lr 3e-2) carry that into the weights over STEPS steps at ~1e-7..1e-6, far below 1e-5
+    (measured: 0 under accelerate launch, against an effect of 0.077).
+    """
+    model = make_model()
+    single_logs = trainer_run(model, [make_callback(model)], Path(output_dir, "one"), per_device_batch=ROWS)
+    plain = make_model()
+    trainer_run(plain, [], Path(output_dir, "plain"), per_device_batch=ROWS)
+    single, two = trainable(model), per_rank_params[0]
+    assert two.keys() == single.keys()
+    assert all(torch.equal(two[n], per_rank_params[1][n]) for n in two)  # the same correction everywhere
+    diff = max((two[n] - single[n]).abs().max().item() for n in two)
+    effect = max((single[n] - p).abs().max().item() for n, p in trainable(plain).items())
+    assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (diff, effect)
+    for key in KEYS:
+        assert per_rank_logs[0][key] == per_rank_logs[1][key], key
+        assert per_rank_logs[0][key] == pytest.approx(single_logs[key], rel=1e-5), key
+    return diff, effect
 
 
 def make_state(model, theta0=None):

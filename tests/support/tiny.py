@@ -5,7 +5,7 @@ import torch
 # the one tiny-model and tiny-tokenizer builders (demo, evidence, scripts, tests)
 from hf_cfp.demo.models import tiny_llama, tiny_tokenizer
 
-__all__ = ["anchor_for", "tiny_llama", "tiny_tokenizer", "torchrun"]
+__all__ = ["accelerate_launch", "anchor_for", "free_port", "tiny_llama", "tiny_tokenizer", "torchrun"]
 
 
 def anchor_for(model, name="math", seed=0):
@@ -20,18 +20,41 @@ def anchor_for(model, name="math", seed=0):
     )
 
 
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1 (fixed ports collide with concurrent runs)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_cpu_processes(command: list, timeout: int, env: dict | None):
+    """Run a launcher `command` with one intra-op thread and no visible GPU (extra environment `env`);
+    returns the CompletedProcess (stdout/stderr captured)."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
+    return subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def torchrun(script, *args, nproc: int = 2, timeout: int = 300, env: dict | None = None):
     """Run `script` on `nproc` CPU processes with torch.distributed.run on a free port (extra
     environment `env`); returns the CompletedProcess (stdout/stderr captured)."""
-    import os
-    import socket
-    import subprocess
     import sys
 
-    with socket.socket() as probe:  # a free port now; fixed ports collide with concurrent runs
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(port), str(script), *map(str, args)]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", nproc]
+    command += ["--master_addr", "127.0.0.1", "--master_port", free_port(), script, *args]
+    return run_cpu_processes(command, timeout, env)
+
+
+def accelerate_launch(script, *args, config_file, launch_args=(), timeout: int = 300, env: dict | None = None):
+    """Run `script` through the real `accelerate launch --config_file <config_file>` on a free port, on the
+    CPU: `ACCELERATE_USE_CPU=true` makes a multi-GPU config start its processes as gloo DDP (without it each
+    process runs alone). `launch_args`: more launcher options, which override the config file's."""
+    import sys
+
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config_file]
+    command += ["--main_process_ip", "127.0.0.1", "--main_process_port", free_port(), *launch_args, script, *args]
+    return run_cpu_processes(command, timeout, {"ACCELERATE_USE_CPU": "true", **(env or {})})

@@ -95,11 +95,16 @@ def test_without_listing_the_hash_still_catches_structure():
         check_fingerprint(expected, tiny_llama().to(torch.bfloat16), "math")
 
 
-def test_strict_false_warns_instead(caplog):
+def test_strict_false_warns_instead_once_per_process(caplog):
+    """The same mismatch checked twice (two callbacks, two train() calls) warns once: `warning_once`. Under 2
+    processes only the main one warns (tests/integration/test_accelerate_launch.py)."""
     expected = model_fingerprint(tiny_llama(seed=0))
     with caplog.at_level(logging.WARNING, logger="hf_cfp.anchor.fingerprint"):
         check_fingerprint(expected, tiny_llama(seed=1), "math", strict=False)
+        check_fingerprint(expected, tiny_llama(seed=1), "math", strict=False)
     assert len(caplog.records) == 1 and "different weights" in caplog.records[0].getMessage()
+    check_fingerprint(expected, tiny_llama(seed=1), "code", strict=False)  # another anchor: another message
+    assert len(caplog.records) == 2 and "'code'" in caplog.records[1].getMessage()
 
 
 @pytest.mark.parametrize("expected", [None, {}])
