@@ -5,7 +5,7 @@ Anchor 'math': 134,515,008 coordinates
   estimator      sequence: 16 sequences from 32 prompts (1 per prompt), 45.0 response tokens on average
   sampler        temperature 1.0, top_k none, top_p 1.0, max_new_tokens 48
   statistics     total mass 2.26e+05, mean 0.00168, p99 0.00496, max 1.63e+03; top 1% holds 84.5%
-  lam scale      1 / p99 = 201.6 (README, "Choosing lam")
+  lam scale      1 / p99 = 201.6 (README, "Choosing the strength")
   created        2026-11-30T14:51:11+00:00 with hf-cfp 0.1.0
 mass by module type             share   coordinates
   embed_tokens                  23.1%    28,311,552
@@ -41,7 +41,10 @@ def summary_lines(name: str, metadata: Mapping, reference: str) -> list[str]:
         ("estimator", _estimator(metadata)),
         ("sampler", _sampler(metadata)),
         ("statistics", _statistics(stats)),
-        ("lam scale", f'1 / p99 = {1 / stats["p99"]:.4g} (README, "Choosing lam")' if stats.get("p99") else None),
+        (
+            "lam scale",
+            f'1 / p99 = {1 / stats["p99"]:.4g} (README, "Choosing the strength")' if stats.get("p99") else None,
+        ),
         ("split-half", _split_half(metadata.get("split_half"))),
         ("created", _created(metadata)),
         ("hub", _hub(metadata.get("hub"))),
