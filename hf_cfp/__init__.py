@@ -3,9 +3,15 @@
 Layers, each importing only those below it:
 `errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
 < `evaluation` < `integrations` < `demo` < `evidence` < `cli`.
+
+The public names below torch (`FisherAnchor`, `CFPCallback`, ...) are imported on first use (module
+`__getattr__`, PEP 562), so that `import hf_cfp.cli` and `hf-cfp --help` do not load torch; `from hf_cfp import X`
+works as for any attribute.
 """
 
-from .anchor import FisherAnchor
+import importlib
+from typing import TYPE_CHECKING
+
 from .errors import (
     AnchorFormatError,
     AnchorMismatchError,
@@ -15,11 +21,41 @@ from .errors import (
     CFPError,
     CFPHubError,
 )
-from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
-from .fisher import estimate_fisher
-from .integrations import CFP, CFPCallback, KLToBaseCallback
-from .protection import CFPState
 from .version import __version__
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from .anchor import FisherAnchor
+    from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
+    from .fisher import estimate_fisher
+    from .integrations import CFP, CFPCallback, KLToBaseCallback
+    from .protection import CFPState
+
+# public name -> the subpackage that defines it, imported when the name is first read
+_LAZY_EXPORTS = {
+    "FisherAnchor": "anchor",
+    "KLEstimate": "evaluation",
+    "kl_to_base": "evaluation",
+    "kl_to_base_with_stderr": "evaluation",
+    "estimate_fisher": "fisher",
+    "CFP": "integrations",
+    "CFPCallback": "integrations",
+    "KLToBaseCallback": "integrations",
+    "CFPState": "protection",
+}
+
+
+def __getattr__(name: str):
+    """`hf_cfp.<name>` for a name of `_LAZY_EXPORTS`: import its subpackage, keep the value in this module."""
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_EXPORTS))
+
 
 __all__ = [
     "AnchorFormatError",

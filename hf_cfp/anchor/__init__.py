@@ -1,8 +1,34 @@
-"""The Fisher anchor artifact: tensors and metadata (`artifact`), files on disk (`storage`), the Hub
-(`hub`), its model card (`card`), statistics of F (`statistics`), two Fishers compared (`compare`),
-anchors combined (`combine`), and the fingerprint that ties it to its base model (`fingerprint`)."""
+"""The Fisher anchor artifact: tensors and metadata (`artifact`), its config file (`config`), files on disk
+(`storage`), the Hub (`hub`), its model card (`card`), statistics of F (`statistics`), two Fishers compared
+(`compare`), anchors combined (`combine`), and the fingerprint that ties it to its base model (`fingerprint`).
 
-from .artifact import FisherAnchor, validate_anchor_name
-from .fingerprint import check_fingerprint, model_fingerprint
+The names below are imported on first use (module `__getattr__`, PEP 562): `hf_cfp.anchor.config` reads an
+anchor's metadata without torch (`hf-cfp inspect`).
+"""
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from .artifact import FisherAnchor, validate_anchor_name
+    from .fingerprint import check_fingerprint, model_fingerprint
+
+# public name -> the module that defines it, imported when the name is first read
+_LAZY_EXPORTS = {
+    "FisherAnchor": "artifact",
+    "validate_anchor_name": "artifact",
+    "check_fingerprint": "fingerprint",
+    "model_fingerprint": "fingerprint",
+}
+
+
+def __getattr__(name: str):
+    """`hf_cfp.anchor.<name>` for a name of `_LAZY_EXPORTS`: import its module, keep the value here."""
+    if name not in _LAZY_EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["FisherAnchor", "check_fingerprint", "model_fingerprint", "validate_anchor_name"]

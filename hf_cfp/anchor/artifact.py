@@ -9,19 +9,17 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
+from ..errors import AnchorNotFoundError, AnchorValidationError
 from ..names import canonical_name
 from .card import render_card
 from .combine import combine_parts
+from .config import CONFIG_NAME, FORMAT_VERSION, read_config
 from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
 from .lazy import LazyFisher, fisher_shape
-from .statistics import fisher_statistics
+from .statistics import concentration, fisher_statistics, module_type_shares
 from .storage import read_tensors, stored_tensors, write_tensors
 from .values import check_fisher_values
 
-FORMAT_VERSION = 1
-CONFIG_NAME = "cfp_config.json"
-MAX_CONFIG_BYTES = 1 << 20
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -46,7 +44,10 @@ class FisherAnchor:
             (`from_pretrained(..., lazy=True)`), kept as is: its values are checked as they are read, and
             `metadata["statistics"]` stays as saved when present (else computed, streaming from the files).
         name: capability name used in metric keys (`cfp/<name>/sensitive_drift`).
-        metadata: provenance (base model, sampler, number of sequences, prompt fingerprint...).
+        metadata: provenance (base model, sampler, number of sequences, prompt fingerprint...). An anchor in
+            memory sets `metadata["statistics"]` and `metadata["module_types"]` (each module type's share of the
+            mass, `statistics.module_type_shares`) from its tensors, replacing any given; a lazy one keeps those
+            it was saved with (an anchor saved before `module_types` existed has none).
 
     Raises:
         AnchorValidationError: no tensors, a NaN, infinite or negative value (named with its parameter), or a name
@@ -69,7 +70,11 @@ class FisherAnchor:
             check_fisher_values(key, tensor, name)
             tensors[canonical_name(key)] = tensor
         self.fisher = tensors
-        self.metadata = {**dict(metadata or {}), "statistics": self.statistics()}
+        self.metadata = {
+            **dict(metadata or {}),
+            "statistics": self.statistics(),
+            "module_types": module_type_shares(tensors),
+        }
 
     def statistics(self) -> dict:
         """Size, scale and concentration of F (`statistics.fisher_statistics`): parameter count,
@@ -79,6 +84,11 @@ class FisherAnchor:
             `dict`: the statistics by name (JSON-serializable; also stored in `metadata["statistics"]`).
         """
         return fisher_statistics(self.fisher)
+
+    def concentration(self) -> dict:
+        """How concentrated F's mass is (`statistics.concentration`): the share of sum_i F_i in the top 0.1 / 1 /
+        5% of coordinates, and per module type. Reads every tensor (twice for the top shares)."""
+        return concentration(self.fisher)
 
     @classmethod
     def combine(
@@ -167,9 +177,10 @@ class FisherAnchor:
 
         `lazy=True` reads only the headers: `anchor.fisher` is then a `LazyFisher` that reads a tensor, or a
         part of one (`read_flat`, `read_block`), from the files when asked and checks its values then.
-        `metadata["statistics"]` are those saved with the anchor (for one saved in bfloat16, those of the
-        float32 values before rounding; `anchor.statistics()` recomputes them from the files). `CFPCallback`
-        loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the pieces of F it keeps.
+        `metadata["statistics"]` and `metadata["module_types"]` are those saved with the anchor (for one saved in
+        bfloat16, those of the float32 values before rounding; `anchor.statistics()` recomputes the statistics from
+        the files). `CFPCallback` loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the
+        pieces of F it keeps.
 
         Args:
             repo_id_or_dir (`str` or `os.PathLike`): a directory, a repo id or a reference (above).
@@ -219,7 +230,7 @@ class FisherAnchor:
             )
         if not (directory / CONFIG_NAME).is_file():
             raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
-        config = _read_config(directory / CONFIG_NAME)
+        config = read_config(directory / CONFIG_NAME)
         name, metadata = config["name"], config.get("metadata")
         if lazy:
             return cls(LazyFisher(stored_tensors(directory), name), name=name, metadata=metadata)
@@ -283,20 +294,3 @@ class FisherAnchor:
     def __repr__(self) -> str:
         count = sum(fisher_shape(self.fisher, name).numel() for name in self.fisher)
         return f"FisherAnchor(name={self.name!r}, tensors={len(self.fisher)}, coordinates={count})"
-
-
-def _read_config(path: Path) -> dict:
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AnchorFormatError(f"{str(path)!r} is over {MAX_CONFIG_BYTES} bytes; an anchor config is small JSON.")
-    try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise AnchorFormatError(f"{str(path)!r} is not valid JSON ({error}); re-save the anchor.") from error
-    if not isinstance(config, dict) or "name" not in config or "format_version" not in config:
-        raise AnchorFormatError(f"{str(path)!r} lacks 'name' or 'format_version'; it was not written by hf-cfp.")
-    if config["format_version"] != FORMAT_VERSION:
-        raise AnchorFormatError(
-            f"{str(path)!r} has format_version {config['format_version']!r}; this hf-cfp reads version "
-            f"{FORMAT_VERSION}. Upgrade hf-cfp or re-save the anchor."
-        )
-    return config

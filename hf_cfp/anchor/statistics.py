@@ -49,10 +49,17 @@ def concentration(fisher: Mapping[str, torch.Tensor]) -> dict:
     found = order_statistics(fisher.values(), lambda n: [top_rank(q, n) for _, q in TOP_FRACTIONS])
     total = found.total or 1.0
     top = {label: tail / total for (label, _), tail in zip(TOP_FRACTIONS, found.tail_sums, strict=True)}
+    return {"top_shares": top, "module_types": module_type_shares(fisher)}
+
+
+def module_type_shares(fisher: Mapping[str, torch.Tensor]) -> list[dict]:
+    """Per module type (`module_type_masses`), largest mass first: {"type", "share": the type's sum of F over
+    sum_i F_i (0 when F is all zero), "count": its coordinates}. One float64 sum per tensor, no sort: cheap
+    enough to be kept in every anchor's metadata (`metadata["module_types"]`, read by `hf-cfp inspect`)."""
     masses = module_type_masses(fisher)
+    total = sum(mass for mass, _ in masses.values()) or 1.0
     kinds = sorted(masses, key=lambda k: -masses[k][0])
-    types = [{"type": k, "share": masses[k][0] / total, "count": masses[k][1]} for k in kinds]
-    return {"top_shares": top, "module_types": types}
+    return [{"type": k, "share": masses[k][0] / total, "count": masses[k][1]} for k in kinds]
 
 
 def statistics_peak_vs_anchor(fisher: Mapping[str, torch.Tensor]) -> float:

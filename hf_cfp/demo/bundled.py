@@ -73,11 +73,7 @@ def load_pairs(source: str = "pirate_style") -> list[tuple[str, str]]:
         for number, line in enumerate(handle, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise CFPArgumentError(f"{source}, line {number}: not JSON ({error}).") from None
-            row = row if isinstance(row, dict) else {}
+            row = _json_line(source, number, line)
             prompt, response = row.get("prompt"), row.get("response", row.get("completion"))
             if not isinstance(prompt, str) or not isinstance(response, str):
                 raise CFPArgumentError(
@@ -97,7 +93,12 @@ def pirate_preference_triples() -> list[tuple[str, str, str]]:
 
 def load_prompts(source: str) -> list:
     """Prompts from a bundled set name (one of `CALIBRATION_SETS`) or a file: `.jsonl` with a "prompt" field
-    per line, `.json` holding a list, or plain text with one prompt per line."""
+    per line, `.json` holding a list, or plain text with one prompt per line.
+
+    Raises:
+        CFPArgumentError: no such set or file; a line or file that is not valid JSON, a .jsonl line without
+            "prompt", a .json that is not a list, or no prompts at all (the message names the file and line).
+    """
     if source in CALIBRATION_SETS:
         return calibration_prompts(source)
     if not os.path.isfile(source):
@@ -105,7 +106,32 @@ def load_prompts(source: str) -> list:
     with open(source, encoding="utf-8") as handle:
         text = handle.read()
     if source.endswith(".jsonl"):
-        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
-    if source.endswith(".json"):
-        return list(json.loads(text))
-    return [line for line in text.splitlines() if line.strip()]
+        prompts = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                row = _json_line(source, number, line)
+                if "prompt" not in row:
+                    raise CFPArgumentError(f'{source}, line {number}: no "prompt" field; give one per line.')
+                prompts.append(row["prompt"])
+    elif source.endswith(".json"):
+        try:
+            prompts = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise CFPArgumentError(f"{source}: not valid JSON ({error}); give a list of prompts.") from None
+        if not isinstance(prompts, list):
+            raise CFPArgumentError(f"{source} holds a JSON {type(prompts).__name__}; give a list of prompts.")
+    else:
+        prompts = [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise CFPArgumentError(f"{source} holds no prompts.")
+    return prompts
+
+
+def _json_line(source: str, number: int, line: str) -> dict:
+    """Line `number` of the .jsonl file `source` as a dict (a JSON value that is not an object gives {}, a row
+    without fields); CFPArgumentError naming the line when it is not JSON."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise CFPArgumentError(f"{source}, line {number}: not JSON ({error}).") from None
+    return row if isinstance(row, dict) else {}

@@ -10,9 +10,9 @@ from hf_cfp import FisherAnchor
 from hf_cfp.cli import main
 
 
-def test_inspect_prints_the_metadata(tmp_path, capsys):
+def test_inspect_full_prints_the_metadata(tmp_path, capsys):
     FisherAnchor({"w": [1.0, 3.0]}, name="code", metadata={"num_sequences": 7}).save_pretrained(tmp_path)
-    main(["inspect", str(tmp_path)])
+    main(["inspect", str(tmp_path), "--full"])
     out = capsys.readouterr().out
     assert out.startswith("FisherAnchor(name='code', tensors=1, coordinates=2)")
     metadata = json.loads(out[out.index("{") :])
@@ -26,7 +26,10 @@ def test_cli_push_pull_inspect(local_hub, tmp_path, capsys):
     main(["pull", "org/base@refs/pr/1:cfp/math", "--output", str(tmp_path / "b")])
     assert f"at commit {local_hub.resolve('org/base', 'refs/pr/1')}" in capsys.readouterr().out
     assert same_anchor(FisherAnchor.from_pretrained(tmp_path / "b"), FisherAnchor.from_pretrained(tmp_path / "a"))
-    main(["inspect", "org/base@refs/pr/1:cfp/math"])
+    main(["inspect", "org/base@refs/pr/1:cfp/math"])  # the summary, through the Hub
+    commit = local_hub.resolve("org/base", "refs/pr/1")
+    assert f"  hub            org/base@{commit}:cfp/math (revision refs/pr/1)\n" in capsys.readouterr().out
+    main(["inspect", "org/base@refs/pr/1:cfp/math", "--full"])
     out = capsys.readouterr().out
     shares = json.loads(out[out.index("{") :])["concentration"]["top_shares"]
     assert 0 < shares["0.1%"] <= shares["1%"] <= shares["5%"] <= 1
@@ -34,7 +37,7 @@ def test_cli_push_pull_inspect(local_hub, tmp_path, capsys):
 
 def test_demo_flags_reach_run_demo(monkeypatch):
     calls = []
-    monkeypatch.setattr("hf_cfp.cli.run_demo", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr("hf_cfp.cli.demo.run_demo", lambda **kwargs: calls.append(kwargs))
     main(["demo", "--tiny", "--peft", "--steps", "3", "--learning-rate", "0.01"])
     main(["demo"])
     assert calls[0]["tiny"] and calls[0]["peft"] and calls[0]["steps"] == 3 and calls[0]["learning_rate"] == 0.01

@@ -112,10 +112,11 @@ def test_cli_bad_path_or_mismatch_is_a_clean_error(tmp_path, capsys):
     hand_made(ramp(), "a").save_pretrained(tmp_path / "a")
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", str(tmp_path / "a"), str(tmp_path / "missing")])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2  # missing input: a usage error
     err = capsys.readouterr().err
     assert err.startswith("hf-cfp compare: error: No anchor directory at") and "Traceback" not in err
     FisherAnchor({"w": torch.ones(3)}, name="w").save_pretrained(tmp_path / "w")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["compare", str(tmp_path / "a"), str(tmp_path / "w")])
+    assert exit_info.value.code == 1  # a failure
     assert "cover different parameters" in capsys.readouterr().err

@@ -225,17 +225,20 @@ def test_cli_prints_the_report_of_diagnose(tiny_model_dir, capsys):
     assert "batch of 3 sequences" in capsys.readouterr().out and len(load_pairs()) > 3
 
 
-def test_cli_errors_are_one_line(tiny_model_dir, capsys):
+def test_cli_errors_are_two_lines_and_exit_code_2(tiny_model_dir, capsys):
     model_dir = str(tiny_model_dir / "model")
     bad = tiny_model_dir / "bad.jsonl"
     bad.write_text('{"prompt": "x"}\n')
     for argv, message in (
         (["--anchor", str(tiny_model_dir / "missing")], "No anchor directory at"),
         (["--anchor", str(tiny_model_dir / "anchor"), "--data", str(bad)], "bad.jsonl, line 1: give text fields"),
-        (["--anchor", str(tiny_model_dir / "anchor"), "--num-examples", "0"], "--num-examples must be >= 1"),
+        (
+            ["--anchor", str(tiny_model_dir / "anchor"), "--num-examples", "0"],
+            "--num-examples: must be an integer >= 1",
+        ),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main(["diagnose", *argv, "--model", model_dir])
         err = capsys.readouterr().err
-        assert exit_info.value.code == 1 and err.startswith("hf-cfp diagnose: error: ") and message in err, err
-        assert "Traceback" not in err
+        assert exit_info.value.code == 2 and err.startswith("hf-cfp diagnose: error: ") and message in err, err
+        assert "Traceback" not in err and len(err.splitlines()) == 2

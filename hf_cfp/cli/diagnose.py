@@ -1,0 +1,25 @@
+"""`hf-cfp diagnose`: where an SFT batch's gradient lies against anchors' top-1% F, and the Fisher bound."""
+
+import torch
+
+from ..anchor import FisherAnchor
+from ..demo.bundled import load_pairs
+from ..demo.models import load_causal_lm
+from ..demo.run import sft_examples
+from ..fisher.diagnostics import diagnose_anchors
+from .model_source import check_model_source
+
+
+def run(args) -> None:
+    """Check the model path and read the pairs and anchors, then load the model and print one report per
+    anchor (`fisher.diagnostics.diagnose_anchors`: one gradient for all of them)."""
+    check_model_source(args.model)
+    pairs = load_pairs(args.data)[: args.num_examples]
+    anchors = [FisherAnchor.from_pretrained(ref, local_files_only=args.offline) for ref in args.anchor]
+    model, tokenizer = load_causal_lm(args.model)
+    rows = sft_examples(tokenizer, pairs)
+    ids, mask, labels = (torch.stack([row[key] for row in rows]) for key in ("input_ids", "attention_mask", "labels"))
+    print(f"Model: {args.model}; SFT batch: {args.data}, {len(pairs)} (prompt, response) pairs\n")
+    reports = diagnose_anchors(model, anchors, ids, labels, mask, args.batch_size)
+    for reference, report in zip(args.anchor, reports, strict=True):
+        print(f"{reference}\n{report.to_text()}\n")

@@ -1,0 +1,56 @@
+"""`hf-cfp estimate`: estimate a Fisher anchor on a model's own samples and save it.
+
+Every argument and input file is checked before the model loads (`checks`, the sampler's and the anchor
+name's own validation, the prompts read); under `accelerate launch` each process estimates its share of the
+sequences and the main process saves.
+"""
+
+from accelerate import PartialState
+
+from ..anchor import validate_anchor_name
+from ..demo.bundled import load_prompts
+from ..demo.models import load_causal_lm
+from ..errors import AnchorValidationError, CFPArgumentError
+from ..fisher import estimate_fisher
+from ..fisher.sampling import Sampler
+from .checks import check_output_directory
+from .model_source import check_model_source
+
+
+def run(args) -> None:
+    """Check the arguments, load the model, estimate, save to `--output` and print the anchor's scale."""
+    check_output_directory(args.output, "--output")
+    check_model_source(args.model)
+    try:
+        validate_anchor_name(args.name)
+    except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
+        raise CFPArgumentError(f"--name: {error}") from None
+    Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
+    prompts = load_prompts(args.prompts)
+    state = PartialState()  # joins the process group under `accelerate launch` / torchrun
+    model, tokenizer = load_causal_lm(args.model)
+    model.to(state.device)
+    anchor = estimate_fisher(
+        model,
+        tokenizer,
+        prompts,
+        num_sequences=args.num_sequences,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        name=args.name,
+        estimator=args.estimator,
+        engine=args.engine,
+        num_samples_per_prompt=args.num_samples_per_prompt,
+        scoring_tokens=args.scoring_tokens,
+    )
+    if state.is_main_process:
+        anchor.save_pretrained(args.output)
+        stats = anchor.metadata["statistics"]
+        print(
+            f"Saved {anchor!r} to {args.output}: total mass {stats['total_mass']:.4g}, "
+            f"p99 {stats['p99']:.3g}, top 1% holds {stats['top1pct_mass_share']:.1%}"
+        )

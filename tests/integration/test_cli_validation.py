@@ -1,0 +1,87 @@
+"""`hf-cfp estimate` and `hf-cfp diagnose` check every argument and input file before a model loads: run with
+a model loader that fails the test if it is called, each mistake exits with code 2 and a message naming it;
+with every argument right, the loader is reached (so the patched loader is the one the command uses)."""
+
+import pytest
+
+from hf_cfp.cli import main
+
+
+class LoaderReached(Exception):
+    """Raised by the patched loader: the command got past its checks."""
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    calls = []
+
+    def loader(*args, **kwargs):
+        calls.append(args)
+        raise LoaderReached
+
+    for module in ("hf_cfp.cli.estimate", "hf_cfp.cli.diagnose"):
+        monkeypatch.setattr(f"{module}.load_causal_lm", loader)
+    return calls
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "2 + 2?"}\n{"text": "no prompt field"}\n')
+    (tmp_path / "prompts.json").write_text('{"prompt": "a dict, not a list"}')
+    (tmp_path / "empty.txt").write_text("\n\n")
+    return tmp_path
+
+
+def estimate(inputs, *extra):
+    return ["estimate", "--model", str(inputs / "model"), "--output", str(inputs / "out"), *extra]
+
+
+MISTAKES = {
+    "missing prompts file": (["--prompts", "nope.jsonl"], "'nope.jsonl' is neither a bundled calibration set"),
+    "prompts line without a prompt": (["--prompts", "{dir}/prompts.jsonl"], 'line 2: no "prompt" field'),
+    "prompts .json not a list": (["--prompts", "{dir}/prompts.json"], "holds a JSON dict"),
+    "prompts file without prompts": (["--prompts", "{dir}/empty.txt"], "holds no prompts"),
+    "zero sequences": (["--num-sequences", "0"], "argument --num-sequences: must be an integer >= 1, got 0"),
+    "negative batch size": (["--batch-size", "-4"], "argument --batch-size: must be an integer >= 1, got -4"),
+    "batch size not a number": (["--batch-size", "eight"], "expected an integer >= 1, got 'eight'"),
+    "top_p above 1": (["--top-p", "1.01"], "top_p must be in (0, 1], got 1.01"),
+    "top_p zero": (["--top-p", "0"], "top_p must be in (0, 1], got 0.0"),
+    "temperature zero": (["--temperature", "0"], "temperature must be > 0"),
+    "top_k zero": (["--top-k", "0"], "top_k must be None or an integer >= 1"),
+    "bad anchor name": (["--name", "../math"], "Anchor name '../math' is not allowed"),
+    "output is a file": (["--output", "{dir}/a-file"], "--output '{dir}/a-file' is a file"),
+    "output under a file": (["--output", "{dir}/a-file/anchor"], "is a file, so no directory can be made there"),
+    "missing model": (["--model", "{dir}/no-model"], "--model '{dir}/no-model': no such file or directory"),
+    "model directory without config": (["--model", "{dir}"], "is a directory without config.json"),
+    "model file not gguf": (["--model", "{dir}/a-file"], "is a file but not a .gguf"),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_estimate_refuses_a_mistake_before_loading_the_model(inputs, no_model_load, capsys, mistake):
+    extra, message = MISTAKES[mistake]
+    with pytest.raises(SystemExit) as exited:
+        main(estimate(inputs, *(arg.format(dir=inputs) for arg in extra)))
+    assert exited.value.code == 2
+    assert message.format(dir=inputs) in capsys.readouterr().err
+    assert no_model_load == [] and not (inputs / "out").exists()
+
+
+def test_estimate_with_right_arguments_reaches_the_loader(inputs, no_model_load):
+    (inputs / "good.txt").write_text("2 + 2?\n3 + 5?\n")
+    with pytest.raises(LoaderReached):
+        main(estimate(inputs, "--prompts", str(inputs / "good.txt"), "--top-p", "1", "--top-k", "5"))
+    assert no_model_load == [(str(inputs / "model"),)]
+
+
+def test_diagnose_refuses_a_missing_data_file_before_loading(inputs, no_model_load, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["diagnose", "--anchor", "a", "--model", str(inputs / "model"), "--data", str(inputs / "pairs.jsonl")])
+    assert exited.value.code == 2 and "is neither the bundled 'pirate_style' set" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["diagnose", "--anchor", "a", "--model", str(inputs / "model"), "--num-examples", "0"])
+    assert exited.value.code == 2 and no_model_load == []
