@@ -188,7 +188,13 @@ class CFPCallback(TrainerCallback):
         """Add this callback to `trainer` (if it is not there yet) just before its reporting callbacks.
 
         The explicit form of the placement done automatically at train begin, for trainers whose callback
-        handler the automatic placement cannot find. Returns the callback.
+        handler the automatic placement cannot find.
+
+        Args:
+            trainer ([`~transformers.Trainer`]): the trainer (or a TRL trainer) to protect.
+
+        Returns:
+            [`CFPCallback`]: this callback, for chaining.
 
         ```python
         cfp = CFPCallback(anchor, lam=10.0).attach(trainer)
@@ -199,8 +205,18 @@ class CFPCallback(TrainerCallback):
         return self
 
     def lam_at(self, step: int) -> list[float]:
-        """lam_t of each protecting anchor for the optimizer step `step` (1-based), validated (not with a
-        kl_budget, whose lam_t depends on the step's proposal)."""
+        """lam_t of each protecting anchor for the optimizer step `step`, validated.
+
+        Args:
+            step (`int`): the optimizer step (1-based).
+
+        Returns:
+            `list[float]`: one lam_t per protecting anchor.
+
+        Raises:
+            CFPError: before training with `kl_budget` or `scale_lam_with_lr` (lam_t then depends on the step).
+            CFPArgumentError: a schedule returned a bad value.
+        """
         strength = self.settings.strength
         if self.protection is None and (strength.kl_budget is not None or strength.scale_with_lr):
             raise CFPError("lam_at: with kl_budget or scale_lam_with_lr, lam_t is known only during training.")
