@@ -1,22 +1,21 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (glue over the loop API, `CFP`)."""
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPArgumentError, CFPError
-from ..parallel import log_on_main_process, refuse_unsupported_layout
-from ..protection import CFPState, SavedTheta0, has_saved_theta0, peft_view, save_theta0
+from ..parallel import refuse_unsupported_layout
+from ..protection import CFPState, peft_view, save_theta0
 from .loop import CFP, anchor_list
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
+from .resume import checkpoint_dir, saved_theta0
 from .settings import ProtectionSettings
 from .strength import LamSchedule, first_lr
 from .trace import record_trace
@@ -237,7 +236,9 @@ class CFPCallback(TrainerCallback):
             refuse_unsupported_layout(model, args, optimizer)
             theta0 = None
             if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
-                theta0 = self._saved_theta0(args, state, call.resume_from_checkpoint if call else None)
+                theta0 = saved_theta0(
+                    args, state, call.resume_from_checkpoint if call else None, self.restart_path_on_resume
+                )
             else:
                 view = peft_view(model)  # a PeftModel is checked through its base model's names and weights
                 for bound in (*anchors, *self.monitors):
@@ -252,34 +253,6 @@ class CFPCallback(TrainerCallback):
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
-
-    def _saved_theta0(
-        self, args: TrainingArguments, state: TrainerState, resumed_from: str | None
-    ) -> SavedTheta0 | None:
-        """The theta0 saved in the checkpoint being resumed: the path the Trainer resumes from, else
-        `args.resume_from_checkpoint`, else `output_dir/checkpoint-<step>`. Without one, raise
-        CFPError, or with `restart_path_on_resume=True` return None (theta0 = the resumed weights)."""
-        explicit = getattr(args, "resume_from_checkpoint", None)  # a loop may pass no TrainingArguments
-        checkpoint = resumed_from or (explicit if isinstance(explicit, str) else None)
-        if checkpoint is None and getattr(args, "output_dir", None):
-            checkpoint = _checkpoint_dir(args, state)
-        if checkpoint is not None and has_saved_theta0(checkpoint):
-            return SavedTheta0(checkpoint)
-        if self.restart_path_on_resume:
-            log_on_main_process(
-                logger.info,
-                "CFPCallback: no saved theta0 in %s; the protected path restarts at the resumed weights "
-                "(restart_path_on_resume=True).",
-                checkpoint,
-            )
-            return None
-        raise CFPError(
-            f"CFPCallback: resuming at step {state.global_step}, but the checkpoint {checkpoint!r} has no saved "
-            "theta0 (cfp_theta0-rank*.safetensors), so the protected path would restart at the resumed weights. "
-            "Resume from a checkpoint saved while CFPCallback was attached; if your trainer does not pass the path "
-            "it resumes from, set TrainingArguments(resume_from_checkpoint=<that path>); or pass "
-            "CFPCallback(..., restart_path_on_resume=True) to start the path again on purpose."
-        )
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -325,7 +298,7 @@ class CFPCallback(TrainerCallback):
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.protection is not None:
-            save_theta0(self.protection, _checkpoint_dir(args, state))
+            save_theta0(self.protection, checkpoint_dir(args, state))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         if self.cfp is not None:  # the final drift, in the config saved with the trained model
@@ -350,8 +323,3 @@ def _optimizer_size(optimizer: torch.optim.Optimizer | None) -> tuple[int, int] 
     if groups is None:
         return None
     return len(groups), sum(len(g["params"]) for g in groups)
-
-
-def _checkpoint_dir(args: TrainingArguments, state: TrainerState) -> str:
-    """Where the Trainer writes (and by default resumes) the checkpoint of the current step."""
-    return os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
