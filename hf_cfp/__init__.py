@@ -9,7 +9,6 @@ The public names below torch (`FisherAnchor`, `CFPCallback`, ...) are imported o
 works as for any attribute.
 """
 
-import importlib
 from typing import TYPE_CHECKING
 
 from .errors import (
@@ -21,6 +20,7 @@ from .errors import (
     CFPError,
     CFPHubError,
 )
+from .exports import lazy_exports
 from .version import __version__
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
@@ -44,18 +44,7 @@ _LAZY_EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    """`hf_cfp.<name>` for a name of `_LAZY_EXPORTS`: import its subpackage, keep the value in this module."""
-    if name not in _LAZY_EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_EXPORTS))
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)
 
 __all__ = [
     "AnchorFormatError",

@@ -6,8 +6,9 @@ The names below are imported on first use (module `__getattr__`, PEP 562): `hf_c
 anchor's metadata without torch (`hf-cfp inspect`).
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .artifact import FisherAnchor, validate_anchor_name
@@ -22,13 +23,6 @@ _LAZY_EXPORTS = {
 }
 
 
-def __getattr__(name: str):
-    """`hf_cfp.anchor.<name>` for a name of `_LAZY_EXPORTS`: import its module, keep the value here."""
-    if name not in _LAZY_EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_LAZY_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)
 
 __all__ = ["FisherAnchor", "check_fingerprint", "model_fingerprint", "validate_anchor_name"]
