@@ -13,7 +13,7 @@ from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationErr
 from ..names import canonical_name
 from .card import render_card
 from .combine import combine_parts
-from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
+from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
 from .lazy import LazyFisher, fisher_shape
 from .statistics import fisher_statistics
 from .storage import read_tensors, stored_tensors, write_tensors
@@ -136,27 +136,37 @@ class FisherAnchor:
         commit sha; default main), and the resolved commit is recorded in `metadata["hub"]`.
         Works offline from the cache (`local_files_only=True` or HF_HUB_OFFLINE=1).
 
+        A `Path`, a string naming an existing local path, or a string that looks like a path
+        (`hub.looks_like_local_path`: `./x`, `../x`, `anchors/maths` beside an `anchors/` folder, `x.json`)
+        is read locally and never sent to the Hub: a missing one raises AnchorNotFoundError saying that no
+        such folder exists. A failed Hub lookup says which repo, revision and folder were tried, whether
+        offline mode was on, and what to run.
+
         `lazy=True` reads only the headers: `anchor.fisher` is then a `LazyFisher` that reads a tensor, or a
         part of one (`read_flat`, `read_block`), from the files when asked and checks its values then.
         `metadata["statistics"]` are those saved with the anchor (for one saved in bfloat16, those of the
         float32 values before rounding; `anchor.statistics()` recomputes them from the files). `CFPCallback`
         loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the pieces of F it keeps.
         """
-        local = Path(repo_id_or_dir) / (subfolder or "")
-        if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
+        reference = os.fspath(repo_id_or_dir)
+        local = Path(reference) / (subfolder or "")
+        if not isinstance(repo_id_or_dir, str) or os.path.lexists(reference) or looks_like_local_path(reference):
             return cls._load_directory(local, lazy)
-        repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
+        repo_id, ref_revision, ref_subfolder = parse_reference(reference)
         subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)
         revision = revision or ref_revision
-        directory, commit = download_anchor(
-            repo_id,
-            subfolder,
-            revision,
-            token=token,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            endpoint=endpoint,
-        )
+        try:
+            directory, commit = download_anchor(
+                repo_id,
+                subfolder,
+                revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                endpoint=endpoint,
+            )
+        except AnchorNotFoundError as error:
+            raise AnchorNotFoundError(f"No local folder {reference!r} exists. {error}") from error
         anchor = cls._load_directory(directory, lazy)
         anchor.metadata["hub"] = {
             "repo_id": repo_id,
@@ -168,9 +178,17 @@ class FisherAnchor:
 
     @classmethod
     def _load_directory(cls, directory: Path, lazy: bool) -> "FisherAnchor":
+        if not directory.exists():
+            raise AnchorNotFoundError(
+                f"No anchor directory at {str(directory)!r}: no such local folder exists (relative paths start "
+                f"from {os.getcwd()!r}). Check the path, or save an anchor there with anchor.save_pretrained(). "
+                "As it reads as a local path it was not looked up on the Hub; Hub references look like "
+                "'org/model:cfp/math'."
+            )
         if not directory.is_dir():
             raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained()."
+                f"No anchor directory at {str(directory)!r}: it is a file; give the folder that holds "
+                f"{CONFIG_NAME} and fisher.safetensors."
             )
         if not (directory / CONFIG_NAME).is_file():
             raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
