@@ -16,7 +16,7 @@ from .combine import combine_parts
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
 from .lazy import LazyFisher, fisher_shape
 from .statistics import fisher_statistics
-from .storage import read_tensors, stored_tensors, write_tensors
+from .storage import read_tensors, stored_tensors, temporary_path, write_tensors
 from .values import check_fisher_values
 
 FORMAT_VERSION = 1
@@ -104,9 +104,9 @@ class FisherAnchor:
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"format_version": FORMAT_VERSION, "name": self.name, "metadata": self.metadata}
-        fd, staged_config = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_NAME}.")
+        staged_config = temporary_path(directory, CONFIG_NAME)
         try:
-            with os.fdopen(fd, "w") as handle:
+            with open(staged_config, "x") as handle:
                 json.dump(config, handle, indent=2, sort_keys=True)
             write_tensors(
                 directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
