@@ -138,6 +138,14 @@ def sample_responses(
     return sample_with_supports(model, prompts, sampler, max_new_tokens, eos_ids, pad_id, generator)[0]
 
 
+def kv_cache_argument(model) -> str:
+    """The name of the KV-cache argument and output of `model`'s forward: `cache` (transformers 5 renamed it;
+    passing `past_key_values` then warns that it is deprecated) or `past_key_values`. A PeftModel's forward
+    takes `**kwargs` and hands them to its base model, so the base model's signature decides."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_with_supports(
     model,
@@ -166,8 +174,7 @@ def sample_with_supports(
     responses: list[list[int]] = [[] for _ in prompts]
     steps: list[torch.Tensor] = []  # the packed support of every row at every step
     done = [False] * len(prompts)
-    # transformers 5 renamed the KV-cache argument and output from `past_key_values` to `cache`.
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_name = kv_cache_argument(model)
     cache, step_ids = None, input_ids
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
