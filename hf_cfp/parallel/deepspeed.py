@@ -24,9 +24,13 @@ metrics' squares over partitions (all-reduced: disjoint pieces). Parameters kept
 persistence thresholds (`ds_persist`) hold a full copy that the next forward uses: after the
 correction they are re-gathered from their corrected partitions, as DeepSpeed does after a step.
 
-Nothing here imports deepspeed: the optimizer is recognized by its attributes.
+Nothing here imports deepspeed: the optimizer is recognized by its attributes. But accelerate and transformers
+import it whenever it is installed (to recognize its engine when unwrapping a model), and on a machine without a
+GPU its import logs "Setting accelerator to CPU..." to stdout, in the middle of runs that do not use DeepSpeed:
+`CPUAcceleratorNote` drops that one line unless ACCELERATE_USE_DEEPSPEED=true.
 """
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -36,6 +40,22 @@ import torch.distributed as dist
 from ..errors import CFPError
 from ..ops import proximal_pull_
 from .fsdp1 import FlatPiece
+
+
+class CPUAcceleratorNote(logging.Filter):
+    """A filter on DeepSpeed's logger that drops its import-time note "Setting accelerator to CPU. If you have
+    GPU or other accelerator, we were unable to detect it." outside DeepSpeed runs (ACCELERATE_USE_DEEPSPEED
+    not "true"); every other record passes. Installed when hf_cfp is imported, before deepspeed is: a logger's
+    filters stay when DeepSpeed later adds its stdout handler to it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        note = record.getMessage().startswith("Setting accelerator to CPU.")
+        return not note or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+
+
+_DEEPSPEED_LOGGER = logging.getLogger("DeepSpeed")  # the name deepspeed.utils.logging gives its logger
+if not any(isinstance(f, CPUAcceleratorNote) for f in _DEEPSPEED_LOGGER.filters):
+    _DEEPSPEED_LOGGER.addFilter(CPUAcceleratorNote())
 
 
 def uses_deepspeed(model: torch.nn.Module, args=None) -> bool:
