@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from .backward import Consumer
 from .memory import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
@@ -97,9 +97,13 @@ def add_batched_squared_scores(
             A response token of probability 0 under mu raises CFPArgumentError.
     """
     if len(params) != len(accumulators):
-        raise CFPArgumentError(f"Got {len(params)} params but {len(accumulators)} accumulators; give one each.")
+        raise CFPArgumentError(
+            f"Got {plural(len(params), 'param')} but {plural(len(accumulators), 'accumulator')}; give one each."
+        )
     if len(prompts) != len(responses):
-        raise CFPArgumentError(f"Got {len(prompts)} prompts but {len(responses)} responses; give one each.")
+        raise CFPArgumentError(
+            f"Got {plural(len(prompts), 'prompt')} but {plural(len(responses), 'response')}; give one each."
+        )
     if any(len(prompt) == 0 for prompt in prompts):
         raise CFPArgumentError("An empty prompt has no position to predict the first response token from.")
     live = [i for i, p in enumerate(params) if p.requires_grad]

@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
 from ..anchor.compare import split_half
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
@@ -276,7 +276,9 @@ def _labels(responses, tokenizer, num_prompts: int, estimator: str):
         raise CFPArgumentError("estimator='empirical' needs responses=, one per prompt.")
     labels = to_token_ids(responses, tokenizer, what="response")
     if len(labels) != num_prompts:
-        raise CFPArgumentError(f"Got {len(labels)} responses for {num_prompts} prompts; give one per prompt.")
+        raise CFPArgumentError(
+            f"Got {plural(len(labels), 'response')} for {plural(num_prompts, 'prompt')}; give one per prompt."
+        )
     return labels
 
 

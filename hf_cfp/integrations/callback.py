@@ -10,7 +10,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..anchor import FisherAnchor, check_fingerprint
-from ..errors import CFPArgumentError, CFPError
+from ..errors import CFPArgumentError, CFPError, plural
 from ..ops.lora_correction import LORA_RULES
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, MemoryPlan, SavedTheta0, Theta0Pieces, has_saved_theta0, peft_view, save_theta0
@@ -306,9 +306,10 @@ class CFPCallback(TrainerCallback):
         elif size != self._optimizer_size:
             (groups0, params0), (groups, params) = self._optimizer_size, size
             raise CFPError(
-                f"CFPCallback: the optimizer now has {params} parameters in {groups} param groups, but had {params0} "
-                f"in {groups0} when CFP bound its anchors at train begin ({params - params0:+d} parameters, "
-                f"{groups - groups0:+d} groups). Parameters added after bind would be neither protected nor measured: "
+                f"CFPCallback: the optimizer now has {plural(params, 'parameter')} in "
+                f"{plural(groups, 'param group')}, but had {params0} in {groups0} when CFP bound its anchors at train "
+                f"begin ({plural(params - params0, 'parameter', '+d')}, {plural(groups - groups0, 'group', '+d')}). "
+                "Parameters added after bind would be neither protected nor measured: "
                 "add every parameter to the model and the optimizer before trainer.train(), and do not change the "
                 "optimizer's parameters during training."
             )

@@ -12,7 +12,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..anchor.lazy import TensorsOf
-from ..errors import CFPArgumentError, CFPError
+from ..errors import CFPArgumentError, CFPError, plural
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
 from ..parallel.deepspeed import master_correction
@@ -211,7 +211,8 @@ class CFPState:
         self.lams = [float(lam)] if isinstance(lam, (int, float)) else [float(v) for v in lam]
         if len(self.lams) != len(self.protecting):
             raise CFPArgumentError(
-                f"{len(self.lams)} lams for {len(self.protecting)} protecting anchors {self.protecting}."
+                f"{plural(len(self.lams), 'lam')} for {plural(len(self.protecting), 'protecting anchor')} "
+                f"{self.protecting}: give one lam per anchor."
             )
         if not any(self.lams):
             return
