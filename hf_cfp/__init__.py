@@ -6,6 +6,7 @@ Layers, each importing only those below it:
 """
 
 from .anchor import FisherAnchor
+from .demo import load_embedded_model
 from .errors import (
     AnchorFormatError,
     AnchorMismatchError,
@@ -39,4 +40,5 @@ __all__ = [
     "estimate_fisher",
     "kl_to_base",
     "kl_to_base_with_stderr",
+    "load_embedded_model",
 ]
