@@ -21,10 +21,12 @@ from .errors import (
     CFPHubError,
 )
 from .exports import lazy_exports
+from .quiet import silence_known_notes
 from .version import __version__
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .anchor import FisherAnchor
+    from .demo import load_embedded_model
     from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
     from .fisher import estimate_fisher
     from .integrations import CFP, CFPCallback, KLToBaseCallback
@@ -41,10 +43,12 @@ _LAZY_EXPORTS = {
     "CFPCallback": "integrations",
     "KLToBaseCallback": "integrations",
     "CFPState": "protection",
+    "load_embedded_model": "demo",
 }
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY_EXPORTS)
+silence_known_notes()
 
 __all__ = [
     "AnchorFormatError",
@@ -64,4 +68,5 @@ __all__ = [
     "estimate_fisher",
     "kl_to_base",
     "kl_to_base_with_stderr",
+    "load_embedded_model",
 ]

@@ -31,3 +31,10 @@ class AnchorNotFoundError(CFPError, FileNotFoundError):
 
 class CFPHubError(CFPError, RuntimeError):
     """The Hub refused or failed a request (server error, permissions, network)."""
+
+
+def plural(number: int, noun: str, spec: str = "d") -> str:
+    """`number` formatted with `spec` (`"d"`, `","`, `"+d"`), then `noun` with an `s` unless |number| is 1:
+    `plural(1, "parameter")` is "1 parameter", `plural(3, "anchor")` "3 anchors", `plural(-1, "group", "+d")`
+    "-1 group". For the counts in messages."""
+    return f"{number:{spec}} {noun}{'' if abs(number) == 1 else 's'}"

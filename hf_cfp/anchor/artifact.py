@@ -14,10 +14,10 @@ from ..names import canonical_name
 from .card import render_card
 from .combine import combine_parts
 from .config import CONFIG_NAME, FORMAT_VERSION, read_config
-from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
+from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
 from .lazy import LazyFisher, fisher_shape
 from .statistics import concentration, fisher_statistics, module_type_shares
-from .storage import read_tensors, stored_tensors, write_tensors
+from .storage import read_tensors, stored_tensors, temporary_path, write_tensors
 from .values import check_fisher_values
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -143,9 +143,9 @@ class FisherAnchor:
         directory = Path(save_directory)
         directory.mkdir(parents=True, exist_ok=True)
         config = {"format_version": FORMAT_VERSION, "name": self.name, "metadata": self.metadata}
-        fd, staged_config = tempfile.mkstemp(dir=directory, prefix=f".{CONFIG_NAME}.")
+        staged_config = temporary_path(directory, CONFIG_NAME)
         try:
-            with os.fdopen(fd, "w") as handle:
+            with open(staged_config, "x") as handle:
                 json.dump(config, handle, indent=2, sort_keys=True)
             write_tensors(
                 directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
@@ -175,6 +175,12 @@ class FisherAnchor:
         commit sha; default main), and the resolved commit is recorded in `metadata["hub"]`.
         Works offline from the cache (`local_files_only=True` or HF_HUB_OFFLINE=1).
 
+        A `Path`, a string naming an existing local path, or a string that looks like a path
+        (`hub.looks_like_local_path`: `./x`, `../x`, `anchors/maths` beside an `anchors/` folder, `x.json`)
+        is read locally and never sent to the Hub: a missing one raises AnchorNotFoundError saying that no
+        such folder exists. A failed Hub lookup says which repo, revision and folder were tried, whether
+        offline mode was on, and what to run.
+
         `lazy=True` reads only the headers: `anchor.fisher` is then a `LazyFisher` that reads a tensor, or a
         part of one (`read_flat`, `read_block`), from the files when asked and checks its values then.
         `metadata["statistics"]` and `metadata["module_types"]` are those saved with the anchor (for one saved in
@@ -198,21 +204,25 @@ class FisherAnchor:
             AnchorValidationError: a bad value (NaN, infinite, negative) or an unsafe subfolder.
             CFPHubError: the Hub refused or failed the download.
         """
-        local = Path(repo_id_or_dir) / (subfolder or "")
-        if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
+        reference = os.fspath(repo_id_or_dir)
+        local = Path(reference) / (subfolder or "")
+        if not isinstance(repo_id_or_dir, str) or os.path.lexists(reference) or looks_like_local_path(reference):
             return cls._load_directory(local, lazy)
-        repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
+        repo_id, ref_revision, ref_subfolder = parse_reference(reference)
         subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)
         revision = revision or ref_revision
-        directory, commit = download_anchor(
-            repo_id,
-            subfolder,
-            revision,
-            token=token,
-            cache_dir=cache_dir,
-            local_files_only=local_files_only,
-            endpoint=endpoint,
-        )
+        try:
+            directory, commit = download_anchor(
+                repo_id,
+                subfolder,
+                revision,
+                token=token,
+                cache_dir=cache_dir,
+                local_files_only=local_files_only,
+                endpoint=endpoint,
+            )
+        except AnchorNotFoundError as error:
+            raise AnchorNotFoundError(f"No local folder {reference!r} exists. {error}") from error
         anchor = cls._load_directory(directory, lazy)
         anchor.metadata["hub"] = {
             "repo_id": repo_id,
@@ -224,9 +234,17 @@ class FisherAnchor:
 
     @classmethod
     def _load_directory(cls, directory: Path, lazy: bool) -> "FisherAnchor":
+        if not directory.exists():
+            raise AnchorNotFoundError(
+                f"No anchor directory at {str(directory)!r}: no such local folder exists (relative paths start "
+                f"from {os.getcwd()!r}). Check the path, or save an anchor there with anchor.save_pretrained(). "
+                "As it reads as a local path it was not looked up on the Hub; Hub references look like "
+                "'org/model:cfp/math'."
+            )
         if not directory.is_dir():
             raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}; save one with anchor.save_pretrained()."
+                f"No anchor directory at {str(directory)!r}: it is a file; give the folder that holds "
+                f"{CONFIG_NAME} and fisher.safetensors."
             )
         if not (directory / CONFIG_NAME).is_file():
             raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import AnchorMismatchError, CFPArgumentError
+from ..errors import AnchorMismatchError, CFPArgumentError, plural
 from .compare import layout_difference
 
 if TYPE_CHECKING:  # artifact.py imports this module for FisherAnchor.combine
@@ -25,7 +25,9 @@ def combine_parts(anchors: Sequence["FisherAnchor"], weights: Sequence[float] | 
         raise CFPArgumentError("FisherAnchor.combine needs a non-empty list of FisherAnchor objects.")
     weights = [1.0 / len(anchors)] * len(anchors) if weights is None else list(weights)
     if len(weights) != len(anchors):
-        raise CFPArgumentError(f"Got {len(weights)} weights for {len(anchors)} anchors; give one weight per anchor.")
+        raise CFPArgumentError(
+            f"Got {plural(len(weights), 'weight')} for {plural(len(anchors), 'anchor')}; give one weight per anchor."
+        )
     valid = all(
         isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0 for w in weights
     )

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
-from ..errors import AnchorMismatchError
+from ..errors import AnchorMismatchError, plural
 from ..names import named_parameters_once
 from ..parallel.processes import log_on_main_process
 from ..parallel.shards import held_pieces
@@ -125,6 +125,10 @@ def _few(names) -> str:
     return ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _are(names) -> str:
+    return "is" if len(names) == 1 else "are"
+
+
 def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     """What differs between a stored fingerprint and the live parameters, as short phrases."""
     problems = []
@@ -139,13 +143,20 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
         missing, extra = stored.keys() - listing.keys(), listing.keys() - stored.keys()
         changed = [n for n in stored.keys() & listing.keys() if not _comparable(stored[n], listing[n])]
         if missing:
-            problems.append(f"{len(missing)} parameters of the anchor's base model are missing here: {_few(missing)}")
+            problems.append(
+                f"{plural(len(missing), 'parameter')} of the anchor's base model {_are(missing)} missing here: "
+                f"{_few(missing)}"
+            )
         if extra:
-            problems.append(f"{len(extra)} parameters here are not in the anchor's base model: {_few(extra)}")
+            problems.append(
+                f"{plural(len(extra), 'parameter')} here {_are(extra)} not in the anchor's base model: {_few(extra)}"
+            )
         for name in sorted(changed)[:3]:
             problems.append(f"{name!r} is {stored[name]} in the anchor's base model but {listing[name]} here")
         if len(changed) > 3:
-            problems.append(f"{len(changed) - 3} more parameters differ in dtype or shape")
+            problems.append(
+                f"{plural(len(changed) - 3, 'more parameter')} {_are(changed[3:])} of another dtype or shape"
+            )
     elif any(quantization(p) is not None for p in params.values()):
         # only a hash of `name<TAB>dtype[shape]` lines is stored, and the dtypes of quantized weights are gone
         log_on_main_process(
@@ -156,6 +167,7 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
         )
     elif expected.get("parameters_sha256") not in (None, _structure_sha256(listing)):
         problems.append("parameter names, shapes or dtypes differ (parameters_sha256)")
+    differing = []
     for name, digest in (expected.get("sampled_sha256") or {}).items():
         if name in params and digest is not None and quantization(params[name]) is None:
             live = _tensor_sha256(name, params[name])
@@ -164,7 +176,12 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
                 and live != digest
                 and (not isinstance(stored, dict) or stored.get(name) == listing[name])
             ):
-                problems.append(f"same names and shapes but different weights: sampled tensor {name!r} differs")
+                differing.append(name)
+    if differing:
+        problems.append(
+            f"same names and shapes but different weights: sampled {'tensor' if len(differing) == 1 else 'tensors'} "
+            f"{_few(differing)} {'differs' if len(differing) == 1 else 'differ'}"
+        )
     return problems
 
 

@@ -2,13 +2,16 @@
 
 A reference names an anchor in a repo: `org/model` (repo root), `org/model:cfp/math`
 (a subfolder), `org/model@v1.0:cfp/math` (at a branch, tag, `refs/pr/N` or commit sha).
+A string that names an existing local path, or looks like one (`looks_like_local_path`), is never
+looked up on the Hub.
 """
 
+import os
 import posixpath
 import re
 from pathlib import Path
 
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, snapshot_download
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
     HfHubHTTPError,
@@ -19,6 +22,7 @@ from huggingface_hub.errors import (
 
 from ..errors import AnchorNotFoundError, AnchorValidationError, CFPHubError
 
+_EXTENSION = re.compile(r"\.[A-Za-z]{1,16}$")
 _REFERENCE = re.compile(r"^(?P<repo>[\w.-]+(?:/[\w.-]+)?)(?:@(?P<revision>[^:]+))?(?::(?P<subfolder>.*))?$")
 
 
@@ -32,6 +36,25 @@ def safe_subfolder(path: str | None) -> str:
     if normal == "." or normal.startswith("..") or ".." in normal.split("/"):
         raise AnchorValidationError(f"Path in repo {path!r} escapes the repository; use e.g. 'cfp/math'.")
     return normal
+
+
+def looks_like_local_path(reference: str) -> bool:
+    """Whether `reference` is meant as a local path even though nothing exists there, so that a mistyped
+    folder is reported as missing instead of being looked up on the Hub. True when it
+
+    - is absolute, starts with `.` (`./`, `../`, a hidden name) or `~`, or contains a backslash;
+    - or, being no explicit Hub reference (no `@revision`, no `:subfolder`), contains `/` and its first
+      segment exists locally (`anchors/maths` beside an `anchors/` folder), or ends in a file extension
+      of letters (`math.json`, `anchor.safetensors`; `Qwen/Qwen2.5-0.5B` has none).
+
+    A Hub repo whose name would match is still reachable with an explicit revision: `org/name.ext@main`.
+    """
+    if os.path.isabs(reference) or reference.startswith((".", "~")) or "\\" in reference:
+        return True
+    if "@" in reference or ":" in reference:
+        return False
+    first, _, rest = reference.partition("/")
+    return bool(rest and os.path.lexists(first)) or bool(_EXTENSION.search(reference.rsplit("/", 1)[-1]))
 
 
 def parse_reference(reference: str) -> tuple[str, str | None, str]:
@@ -60,6 +83,10 @@ def download_anchor(
     """
     subfolder = safe_subfolder(subfolder)
     where = f"{repo_id}@{revision or 'main'}:{subfolder or '.'}"
+
+    def failed(headline: str) -> str:
+        return _lookup_failure(headline, repo_id, revision, subfolder, local_files_only)
+
     try:
         snapshot = Path(
             snapshot_download(
@@ -73,10 +100,10 @@ def download_anchor(
             )
         )
     except RepositoryNotFoundError as error:
-        raise AnchorNotFoundError(f"Hub repo {repo_id!r} not found (or private: pass token=). [{where}]") from error
+        raise AnchorNotFoundError(failed(f"Hub repo {repo_id!r} not found (or private or gated).")) from error
     except RevisionNotFoundError as error:
         raise AnchorNotFoundError(
-            f"Revision {revision!r} not found in {repo_id!r}: use a branch, tag, refs/pr/N or a commit sha. [{where}]"
+            failed(f"Revision {revision!r} not found in {repo_id!r}: use a branch, tag, refs/pr/N or a commit sha.")
         ) from error
     except (EntryNotFoundError, LocalEntryNotFoundError) as error:
         if isinstance(error.__cause__ or error.__context__, HfHubHTTPError):  # a server error, nothing cached
@@ -84,8 +111,7 @@ def download_anchor(
                 f"The Hub failed to serve {where}: {error.__cause__ or error.__context__}. Retry later."
             ) from error
         raise AnchorNotFoundError(
-            f"No anchor at {where} (offline and not cached, or not on the Hub): "
-            "check the reference, or go online once to cache it."
+            failed(f"No anchor at {where} (offline and not cached, or not on the Hub).")
         ) from error
     except HfHubHTTPError as error:
         raise CFPHubError(f"The Hub failed to serve {where}: {error}. Retry later; nothing was changed.") from error
@@ -96,6 +122,19 @@ def download_anchor(
             f"(commit {snapshot.name}). [{where}]"
         )
     return directory, snapshot.name
+
+
+def _lookup_failure(headline: str, repo_id: str, revision: str | None, subfolder: str, local_files_only: bool) -> str:
+    """`headline`, then what was tried (repo, revision, folder), whether offline mode was on, and what to run."""
+    reference = f"{repo_id}{'@' + revision if revision else ''}{':' + subfolder if subfolder else ''}"
+    offline = "on (HF_HUB_OFFLINE=1)" if constants.HF_HUB_OFFLINE else "off"
+    cache_only = ", and local_files_only=True (the cache only)" if local_files_only else ""
+    return (
+        f"{headline} Tried on the Hub: repo {repo_id!r}, revision {revision or 'main'!r}, folder "
+        f"{subfolder or '.'!r}; offline mode was {offline}{cache_only}. If you meant a local folder, check its "
+        f"path (start it with './'). Otherwise fetch it once online: `HF_HUB_OFFLINE=0 hf-cfp pull {reference}`; "
+        "for a private or gated repo log in first (`hf auth login`)."
+    )
 
 
 def push_folder(

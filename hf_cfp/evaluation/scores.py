@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, resolve_eos_ids, resolve_pad_id
 from .kl import score_responses
@@ -64,7 +64,9 @@ def answer_log_probs(model, tokenizer, prompts, answers, batch_size: int = 8) ->
     prompt_ids = to_token_ids(prompts, tokenizer)
     answer_ids = _answer_ids(answers, tokenizer)
     if len(prompt_ids) != len(answer_ids):
-        raise CFPArgumentError(f"{len(prompt_ids)} prompts but {len(answer_ids)} answers; give one answer each.")
+        raise CFPArgumentError(
+            f"{plural(len(prompt_ids), 'prompt')} but {plural(len(answer_ids), 'answer')}; give one answer each."
+        )
     pad_id = resolve_pad_id(tokenizer, resolve_eos_ids(model, tokenizer))
     sums = score_responses(model, prompt_ids, answer_ids, Sampler(1.0), pad_id, batch_size)
     return sums, torch.tensor([len(a) for a in answer_ids], dtype=torch.float64)
@@ -133,7 +135,9 @@ def greedy_exact_match(model, tokenizer, prompts, answers, max_new_tokens: int =
     answers = list(answers)
     responses = greedy_answers(model, tokenizer, prompts, max_new_tokens, batch_size)
     if len(responses) != len(answers):
-        raise CFPArgumentError(f"{len(responses)} prompts but {len(answers)} answers; give one answer each.")
+        raise CFPArgumentError(
+            f"{plural(len(responses), 'prompt')} but {plural(len(answers), 'answer')}; give one answer each."
+        )
     return sum(answer_matches(r, a, tokenizer) for r, a in zip(responses, answers, strict=True)) / len(answers)
 
 

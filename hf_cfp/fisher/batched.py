@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from ..parallel.processes import log_on_main_process
 from .backward import Consumer
 from .memory import default_chunk_elements
@@ -95,9 +95,13 @@ def add_batched_squared_scores(
             A response token of probability 0 under mu raises CFPArgumentError.
     """
     if len(params) != len(accumulators):
-        raise CFPArgumentError(f"Got {len(params)} params but {len(accumulators)} accumulators; give one each.")
+        raise CFPArgumentError(
+            f"Got {plural(len(params), 'param')} but {plural(len(accumulators), 'accumulator')}; give one each."
+        )
     if len(prompts) != len(responses):
-        raise CFPArgumentError(f"Got {len(prompts)} prompts but {len(responses)} responses; give one each.")
+        raise CFPArgumentError(
+            f"Got {plural(len(prompts), 'prompt')} but {plural(len(responses), 'response')}; give one each."
+        )
     if any(len(prompt) == 0 for prompt in prompts):
         raise CFPArgumentError("An empty prompt has no position to predict the first response token from.")
     live = [i for i, p in enumerate(params) if p.requires_grad]

@@ -17,7 +17,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..anchor.compare import layout_difference, top_mask, top_overlap
-from ..errors import AnchorMismatchError, CFPArgumentError
+from ..errors import AnchorMismatchError, CFPArgumentError, plural
 from ..names import named_parameters_once
 from .estimate import requiring_grad
 
@@ -170,8 +170,8 @@ class GradientDiagnostics:
             ("                     share above 0.5", f"{self.above_half_share:.4%}"),
         ]
         head = [
-            f"Anchor {self.anchor!r}: {self.num_coordinates:,} coordinates; SFT batch of {self.num_sequences} "
-            f"sequences, {self.num_tokens} labelled tokens",
+            f"Anchor {self.anchor!r}: {plural(self.num_coordinates, 'coordinate', ',')}; SFT batch of "
+            f"{plural(self.num_sequences, 'sequence')}, {plural(self.num_tokens, 'labelled token')}",
             f"g = (1/B) sum_b d/dtheta log pi(y_b|x_b); T(v) = the top {pct} coordinates of v",
         ]
         bound = "bound |g_i| <= sqrt(F_i) sqrt(E[a^2]), SFT's E[a^2] = mean_b (1/pi(y_b|x_b) - 1)"

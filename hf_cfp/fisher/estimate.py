@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
 from ..anchor.compare import split_half
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
@@ -100,6 +100,8 @@ def estimate_fisher(
         responses: for estimator="empirical", one response (text or token ids) per prompt.
         trainable_only: cover only parameters with requires_grad (default).
         eos_token_id: ends a response; default the model's generation config, then the tokenizer's.
+        show_progress: a tqdm bar on the first process, with rate and ETA: response tokens against the
+            budget num_sequences x max_new_tokens, moving at every generation step (sequences for "empirical").
         scoring_tokens: consecutive sequences of a sampled batch are scored in one forward and backward
             while (sequences x padded length) <= scoring_tokens (at least one sequence): the scoring
             memory grows with these tokens (about 2.6 MB each for a 135M model in float32), so the
@@ -150,17 +152,27 @@ def estimate_fisher(
         _check_causal_lm(model, prompt_ids[0])
         with (
             requiring_grad(params),
-            tqdm(
-                total=my_sequences, desc=f"Fisher[{name}]", unit="seq", disable=not show_progress or rank != 0
+            _progress_bar(
+                name, my_sequences, labels is None, max_new_tokens, not show_progress or rank != 0
             ) as progress,
         ):
             for k in my_batches:
                 indices = range(k * batch_size, min((k + 1) * batch_size, num_sequences))
                 batch = [prompt_ids[(n // num_samples_per_prompt) % len(prompt_ids)] for n in indices]
                 if labels is None:
+                    progress.set_postfix_str("sampling")
                     drawn, supports = sample_with_supports(
-                        model, batch, sampler, max_new_tokens, eos_ids, pad_id, batch_generator(seed, k)
+                        model,
+                        batch,
+                        sampler,
+                        max_new_tokens,
+                        eos_ids,
+                        pad_id,
+                        batch_generator(seed, k),
+                        progress.update,
                     )
+                    progress.update(len(indices) * max_new_tokens - sum(len(r) for r in drawn))  # ended at EOS
+                    progress.set_postfix_str("scoring")
                 else:
                     drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
                     supports = [None] * len(drawn)
@@ -183,7 +195,8 @@ def estimate_fisher(
                             supports=part_supports[group],
                         )
                 response_tokens += sum(len(r) for r in drawn)
-                progress.update(len(indices))
+                if labels is not None:
+                    progress.update(len(indices))
     finally:
         model.train(was_training)
     all_reduce_sum_([*sums, *first, response_tokens])
@@ -212,6 +225,18 @@ def estimate_fisher(
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     return FisherAnchor(fisher, name=name, metadata=metadata)
+
+
+def _progress_bar(name: str, sequences: int, sampling: bool, max_new_tokens: int, disable: bool) -> tqdm:
+    """The estimate's bar (tqdm: count, rate, ETA). Sampling, it counts response tokens against the budget
+    `sequences x max_new_tokens` and moves at every generation step; a batch's responses that end at EOS
+    add their unused budget when sampling ends, and its postfix then says "scoring". Scoring given
+    responses (the empirical estimator), it counts sequences."""
+    if sampling:
+        return tqdm(
+            total=sequences * max_new_tokens, desc=f"Fisher[{name}]", unit="tok", unit_scale=True, disable=disable
+        )
+    return tqdm(total=sequences, desc=f"Fisher[{name}]", unit="seq", disable=disable)
 
 
 def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, supports) -> None:
@@ -260,7 +285,9 @@ def _labels(responses, tokenizer, num_prompts: int, estimator: str):
         raise CFPArgumentError("estimator='empirical' needs responses=, one per prompt.")
     labels = to_token_ids(responses, tokenizer, what="response")
     if len(labels) != num_prompts:
-        raise CFPArgumentError(f"Got {len(labels)} responses for {num_prompts} prompts; give one per prompt.")
+        raise CFPArgumentError(
+            f"Got {plural(len(labels), 'response')} for {plural(num_prompts, 'prompt')}; give one per prompt."
+        )
     return labels
 
 

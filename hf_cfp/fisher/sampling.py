@@ -24,6 +24,7 @@ every such near-tie; scoring against a recomputed S would be off-center even whe
 
 import hashlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,6 +138,14 @@ def sample_responses(
     return sample_with_supports(model, prompts, sampler, max_new_tokens, eos_ids, pad_id, generator)[0]
 
 
+def kv_cache_argument(model) -> str:
+    """The name of the KV-cache argument and output of `model`'s forward: `cache` (transformers 5 renamed it;
+    passing `past_key_values` then warns that it is deprecated) or `past_key_values`. A PeftModel's forward
+    takes `**kwargs` and hands them to its base model, so the base model's signature decides."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_with_supports(
     model,
@@ -146,6 +155,7 @@ def sample_with_supports(
     eos_ids: set[int],
     pad_id: int,
     generator: torch.Generator,
+    on_step: Callable[[int], object] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
     """Draw one response per prompt from mu with a KV cache, prompts left-padded in one batch, and
     keep the support of mu each token was drawn from.
@@ -154,6 +164,8 @@ def sample_with_supports(
     supports[b] is None when the sampler does not truncate (the support is the whole vocabulary),
     else the packed masks (`pack_support`) of response b's tokens, uint8 (len(response), ceil(V / 8))
     on the CPU: V / 8 bytes per drawn token, what scoring needs to use the same support.
+    `on_step(k)`, if given, is called after every generation step with k, the number of responses that
+    got a token at that step (so the k's sum to sum_b len(responses[b])): a progress bar moves with it.
     """
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
@@ -162,8 +174,7 @@ def sample_with_supports(
     responses: list[list[int]] = [[] for _ in prompts]
     steps: list[torch.Tensor] = []  # the packed support of every row at every step
     done = [False] * len(prompts)
-    # transformers 5 renamed the KV-cache argument and output from `past_key_values` to `cache`.
-    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_name = kv_cache_argument(model)
     cache, step_ids = None, input_ids
     for _ in range(max_new_tokens):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
@@ -180,10 +191,12 @@ def sample_with_supports(
         if sampler.truncates:
             steps.append(pack_support(log_mu > float("-inf")).cpu())
         tokens = torch.multinomial(log_mu.exp().cpu(), 1, generator=generator).squeeze(1).tolist()
-        for row, token in enumerate(tokens):
-            if not done[row]:
-                responses[row].append(token)
-                done[row] = token in eos_ids
+        growing = [row for row in range(len(tokens)) if not done[row]]
+        for row in growing:
+            responses[row].append(tokens[row])
+            done[row] = tokens[row] in eos_ids
+        if on_step is not None:
+            on_step(len(growing))
         if all(done):
             break
         step_ids = torch.tensor(tokens, device=device).unsqueeze(1)

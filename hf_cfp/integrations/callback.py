@@ -8,7 +8,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.utils import logging
 
 from ..anchor import FisherAnchor, check_fingerprint
-from ..errors import CFPArgumentError, CFPError
+from ..errors import CFPArgumentError, CFPError, plural
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, peft_view, save_theta0
 from .loop import CFP, anchor_list
@@ -289,9 +289,10 @@ class CFPCallback(TrainerCallback):
         elif size != self._optimizer_size:
             (groups0, params0), (groups, params) = self._optimizer_size, size
             raise CFPError(
-                f"CFPCallback: the optimizer now has {params} parameters in {groups} param groups, but had {params0} "
-                f"in {groups0} when CFP bound its anchors at train begin ({params - params0:+d} parameters, "
-                f"{groups - groups0:+d} groups). Parameters added after bind would be neither protected nor measured: "
+                f"CFPCallback: the optimizer now has {plural(params, 'parameter')} in "
+                f"{plural(groups, 'param group')}, but had {params0} in {groups0} when CFP bound its anchors at train "
+                f"begin ({plural(params - params0, 'parameter', '+d')}, {plural(groups - groups0, 'group', '+d')}). "
+                "Parameters added after bind would be neither protected nor measured: "
                 "add every parameter to the model and the optimizer before trainer.train(), and do not change the "
                 "optimizer's parameters during training."
             )

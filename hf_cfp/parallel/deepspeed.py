@@ -24,7 +24,8 @@ metrics' squares over partitions (all-reduced: disjoint pieces). Parameters kept
 persistence thresholds (`ds_persist`) hold a full copy that the next forward uses: after the
 correction they are re-gathered from their corrected partitions, as DeepSpeed does after a step.
 
-Nothing here imports deepspeed: the optimizer is recognized by its attributes.
+Nothing here imports deepspeed: the optimizer is recognized by its attributes (its import-time CPU note is
+silenced by `hf_cfp.quiet`).
 """
 
 import os

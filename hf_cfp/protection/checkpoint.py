@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from ..anchor.storage import save_tensor_file
 from ..errors import CFPError
 from ..parallel import process_rank_and_count
 from .binding import HeldRange
@@ -69,7 +69,7 @@ def save_theta0(protection: CFPState, checkpoint_dir: str | Path) -> None:
     if tensors:
         Path(checkpoint_dir).mkdir(parents=True, exist_ok=True)
         path = Path(checkpoint_dir) / f"cfp_theta0-rank{rank:05d}-of-{count:05d}.safetensors"
-        save_file(tensors, path, metadata=metadata)
+        save_tensor_file(tensors, path, metadata=metadata)
 
 
 def _lora_key(weight: str, adapter: str, factor: str) -> str:

@@ -11,7 +11,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..anchor.lazy import TensorsOf
-from ..errors import CFPArgumentError
+from ..errors import CFPArgumentError, plural
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_, solve_budget
 from ..parallel import all_reduce_sum_, local_tensor
@@ -188,9 +188,8 @@ class CFPState:
         """
         self.lams = [float(lam)] if isinstance(lam, (int, float)) else [float(v) for v in lam]
         if len(self.lams) != len(self.protecting):
-            raise CFPArgumentError(
-                f"{len(self.lams)} lams for {len(self.protecting)} protecting anchors {self.protecting}."
-            )
+            lams, anchors = plural(len(self.lams), "lam"), plural(len(self.protecting), "protecting anchor")
+            raise CFPArgumentError(f"{lams} for {anchors} {self.protecting}: give one lam per anchor.")
         if not any(self.lams):
             return
         if self.master is not None:  # ZeRO-1/2: the corrected LoRA factors are carried into the fp32 master copy

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hf_cfp"
 
 # Each layer imports only from layers before it (and from itself).
 LAYERS = [
-    ("version", "errors", "exports", "names", "quantized", "resident"),
+    ("version", "errors", "exports", "quiet", "names", "quantized", "resident"),
     ("ops",),
     ("parallel",),
     ("anchor",),

@@ -49,7 +49,9 @@ def check_capability_lines(result, out: str) -> None:
 
 def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    threads = torch.get_num_threads()
     result = run_demo(tiny=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
+    assert torch.get_num_threads() == threads  # the tiny demo ran on one thread, then restored the count
     plain, cfp = result["plain"], result["cfp"]
     assert [r["step"] for r in plain] == [r["step"] for r in cfp] == list(range(1, 7))
     assert all(c[KEY] < p[KEY] for p, c in zip(plain, cfp, strict=True))
@@ -57,8 +59,13 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
     assert result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
     assert (tmp_path / "drift.png").stat().st_size > 10_000
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert "DtFD_cfp / DtFD_plain - 1" in out
+    starts = re.findall(r"^\[(\d)/5\] (?!done)", out, re.M)
+    assert starts == ["1", "2", "3", "4", "5"] and len(re.findall(r"^\[\d/5\] done in \d+ s$", out, re.M)) == 5
+    assert "16 responses of up to 6 tokens sampled from the model on 16 of the 16 calibration prompts" in out
+    assert "arm plain: 100%" in captured.err and "arm cfp: 100%" in captured.err  # a bar per training arm
     check_capability_lines(result, out)
 
 

@@ -10,9 +10,8 @@ import os
 import pytest
 import torch
 
-from hf_cfp import CFPCallback, estimate_fisher
+from hf_cfp import CFPCallback, estimate_fisher, load_embedded_model
 from hf_cfp.demo.bundled import calibration_prompts
-from hf_cfp.demo.models import EMBEDDED, load_causal_lm
 from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 
@@ -31,8 +30,27 @@ def smollm():
     """The 135M model has real matrix products: give it the machine's cores back for this module."""
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
-    yield load_causal_lm(EMBEDDED)
+    yield load_embedded_model()
     torch.set_num_threads(threads)
+
+
+def test_load_embedded_model_gives_the_trainable_float32_smollm2(smollm):
+    model, tokenizer = smollm
+    c = model.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    per_layer = (
+        2 * c.hidden_size * c.hidden_size  # q_proj, o_proj
+        + 2 * c.hidden_size * c.num_key_value_heads * head_dim  # k_proj, v_proj
+        + 3 * c.hidden_size * c.intermediate_size  # gate, up, down
+        + 2 * c.hidden_size  # the two RMSNorms
+    )
+    embeddings = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
+    expected = embeddings + c.num_hidden_layers * per_layer + c.hidden_size  # + the final norm
+    params = list(model.parameters())  # tied weights once
+    assert sum(p.numel() for p in params) == expected and 130e6 < expected < 140e6
+    assert all(p.dtype == torch.float32 and p.requires_grad for p in params)
+    assert "SmolLM2-135M-Instruct" in c._name_or_path
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
 
 
 def test_anchor_on_the_embedded_model_matches_a_plain_per_sequence_reference(smollm):

@@ -29,16 +29,32 @@ print(json.dumps({"file": hf_cfp.__file__, "card": str(card)}))
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def build(tmp_path_factory) -> tuple[Path, str]:
+    """(the wheel, what the build printed: pip's and the build backend's output, not quieted)."""
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(REPO)],
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(REPO)],
         check=True,
         capture_output=True,
+        text=True,
         timeout=300,
     )
     (built,) = out.glob("hf_cfp-*.whl")
-    return built
+    return built, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def wheel(build) -> Path:
+    return build[0]
+
+
+def test_the_build_prints_no_warning(build):
+    _, output = build
+    assert "Successfully built hf-cfp" in output or "Saved " in output  # the output was captured
+    assert "warning" not in output.lower(), output  # e.g. setuptools' deprecation of a TOML-table license
+    archive = zipfile.ZipFile(build[0])
+    (metadata,) = [name for name in archive.namelist() if name.endswith(".dist-info/METADATA")]
+    assert "License-Expression: Apache-2.0" in archive.read(metadata).decode()
 
 
 def test_wheel_contains_the_package_data(wheel):

@@ -125,7 +125,7 @@ def test_parts_of_other_base_models_are_refused(key, value, shown):
 @pytest.mark.parametrize(
     "weights, message",
     [
-        ([1.0], "Got 1 weights for 2 anchors"),
+        ([1.0], "Got 1 weight for 2 anchors"),
         ([1.0, -0.5], "finite numbers >= 0"),
         ([1.0, float("nan")], "finite numbers >= 0"),
         ([float("inf"), 1.0], "finite numbers >= 0"),

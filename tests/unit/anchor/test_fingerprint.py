@@ -124,3 +124,28 @@ def test_large_tensors_hash_only_their_first_mebibyte():
         model.weight.view(-1)[0] += 1
     with pytest.raises(AnchorMismatchError, match="'weight' differs"):
         check_fingerprint(expected, model, "big")
+
+
+def test_all_differing_sampled_tensors_are_named_in_one_phrase():
+    base, other = tiny_llama(seed=0), tiny_llama(seed=1)  # other random weights; norms are ones in both
+    expected = model_fingerprint(base)
+    with pytest.raises(AnchorMismatchError) as info:
+        check_fingerprint(expected, other, "math")
+    message = str(info.value)
+    weights, others = dict(base.named_parameters()), dict(other.named_parameters())
+    differing = [n for n in sorted(expected["sampled_parameters"]) if not torch.equal(weights[n], others[n])]
+    assert len(differing) == 2
+    listed = ", ".join(map(repr, differing))
+    assert f"same names and shapes but different weights: sampled tensors {listed} differ" in message
+    assert message.count("different weights") == 1
+
+
+def test_one_missing_parameter_is_singular():
+    model = tiny_llama()
+    expected = model_fingerprint(model)
+    del expected["parameters"]["lm_head.weight"]
+    expected["num_parameters"] -= model.lm_head.weight.numel()
+    with pytest.raises(
+        AnchorMismatchError, match=r"1 parameter here is not in the anchor's base model: 'lm_head.weight'"
+    ):
+        check_fingerprint(expected, model, "math")

@@ -89,11 +89,20 @@ def factors(peft_model):
 
 @torch.no_grad()
 def identity_outputs(peft_model):
-    """name -> the layer's output on the identity: its effective weight transposed, dequant(W0)^T + s (BA)^T."""
-    return {
-        name: layer(torch.eye(layer.in_features, device=DEVICE)).double().cpu()
-        for name, layer in lora_layers(peft_model).items()
-    }
+    """name -> the layer's output on the identity: its effective weight transposed, dequant(W0)^T + s (BA)^T.
+
+    Called in train mode (no dropout here): in eval mode under no_grad, bitsandbytes on a CPU with AVX512-BF16
+    repacks 4-bit weights for a bf16 inference kernel that needs out_features % 32 == 0 (16 here) and rounds
+    to bf16; train mode takes the dequantize-and-matmul path on every CPU."""
+    was_training = peft_model.training
+    peft_model.train()
+    try:
+        return {
+            name: layer(torch.eye(layer.in_features, device=DEVICE)).double().cpu()
+            for name, layer in lora_layers(peft_model).items()
+        }
+    finally:
+        peft_model.train(was_training)
 
 
 def factor_reference(at_bind, now, anchor, free_fraction=0.99):

@@ -1,0 +1,50 @@
+"""DeepSpeed's import-time note "Setting accelerator to CPU..." (printed to stdout whenever accelerate or
+transformers import an installed deepspeed on a machine without a GPU) is dropped outside DeepSpeed runs."""
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hf_cfp  # noqa: F401  (hf_cfp.quiet installs the filter on DeepSpeed's logger)
+
+NOTE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def passes(message: str) -> bool:
+    record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, message, None, None)
+    return bool(logging.getLogger("DeepSpeed").filter(record))
+
+
+def test_only_the_cpu_note_is_dropped_and_only_outside_deepspeed_runs(monkeypatch):
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert not passes(NOTE)
+    assert passes("Setting accelerator to cuda") and passes("ZeRO stage 3 initialized")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    assert passes(NOTE)
+
+
+@pytest.mark.parametrize(
+    ("prelude", "deepspeed_run", "printed"),
+    [
+        ("", False, 0),  # the filter at work
+        ("import logging; logging.getLogger('DeepSpeed').filters.clear(); ", False, 1),  # the note without it
+        ("", True, 1),  # a DeepSpeed run keeps it
+    ],
+)
+def test_importing_deepspeed_after_hf_cfp_prints_no_note(prelude, deepspeed_run, printed):
+    pytest.importorskip("deepspeed", reason="only matters where deepspeed is installed (the `deepspeed` extra)")
+    env = {k: v for k, v in os.environ.items() if k not in ("DS_ACCELERATOR", "ACCELERATE_USE_DEEPSPEED")}
+    env.update(
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=str(ROOT),
+        **({"ACCELERATE_USE_DEEPSPEED": "true"} if deepspeed_run else {}),
+    )
+    code = f"import hf_cfp; {prelude}import deepspeed"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count("Setting accelerator to CPU") == printed
