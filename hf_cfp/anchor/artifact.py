@@ -13,7 +13,7 @@ from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationErr
 from ..names import canonical_name
 from .card import render_card
 from .combine import combine_parts
-from .hub import download_anchor, parse_reference, push_folder, safe_subfolder
+from .hub import download_anchor, names_a_local_path, parse_reference, push_folder, safe_subfolder
 from .lazy import LazyFisher, fisher_shape
 from .statistics import fisher_statistics
 from .storage import read_tensors, stored_tensors, write_tensors
@@ -143,7 +143,7 @@ class FisherAnchor:
         loads anchors this way, so that under FSDP / ZeRO-3 a process reads only the pieces of F it keeps.
         """
         local = Path(repo_id_or_dir) / (subfolder or "")
-        if local.is_dir() or os.path.isabs(str(repo_id_or_dir)) or str(repo_id_or_dir).startswith("."):
+        if local.is_dir() or names_a_local_path(str(repo_id_or_dir)):
             return cls._load_directory(local, lazy)
         repo_id, ref_revision, ref_subfolder = parse_reference(str(repo_id_or_dir))
         subfolder = safe_subfolder(subfolder if subfolder is not None else ref_subfolder)

@@ -4,6 +4,7 @@ A reference names an anchor in a repo: `org/model` (repo root), `org/model:cfp/m
 (a subfolder), `org/model@v1.0:cfp/math` (at a branch, tag, `refs/pr/N` or commit sha).
 """
 
+import os
 import posixpath
 import re
 from pathlib import Path
@@ -32,6 +33,11 @@ def safe_subfolder(path: str | None) -> str:
     if normal == "." or normal.startswith("..") or ".." in normal.split("/"):
         raise AnchorValidationError(f"Path in repo {path!r} escapes the repository; use e.g. 'cfp/math'.")
     return normal
+
+
+def names_a_local_path(reference: str) -> bool:
+    """Whether `reference` can only be a local path (absolute, or starting with "."), never a Hub reference."""
+    return os.path.isabs(reference) or reference.startswith(".")
 
 
 def parse_reference(reference: str) -> tuple[str, str | None, str]:
