@@ -2,7 +2,7 @@
 
 Layers, each importing only those below it:
 `errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
-< `evaluation` < `integrations` < `demo` < `evidence` < `cli`.
+< `evaluation` < `integrations` < `demo` < `evidence` < `launch` < `cli`.
 """
 
 from .anchor import FisherAnchor
@@ -18,6 +18,7 @@ from .errors import (
 from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
 from .fisher import estimate_fisher
 from .integrations import CFP, CFPCallback, KLToBaseCallback
+from .launch import CFPConfig
 from .protection import CFPState
 from .version import __version__
 
@@ -29,6 +30,7 @@ __all__ = [
     "CFP",
     "CFPArgumentError",
     "CFPCallback",
+    "CFPConfig",
     "CFPError",
     "CFPHubError",
     "CFPState",
