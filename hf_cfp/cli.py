@@ -1,4 +1,4 @@
-"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`."""
+"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`, `train`."""
 
 import argparse
 import json
@@ -16,6 +16,7 @@ from .demo.run import sft_examples
 from .errors import CFPArgumentError, CFPError
 from .fisher import estimate_fisher
 from .fisher.diagnostics import diagnose_anchors
+from .launch.train import train_main
 
 
 def _demo(args) -> None:
@@ -207,6 +208,9 @@ def main(argv=None) -> None:
     diagnose_.add_argument("--batch-size", type=int, default=8, help="rows per forward (memory only)")
     diagnose_.add_argument("--offline", action="store_true", help="use the local cache only")
     diagnose_.set_defaults(run=_diagnose)
+    train = commands.add_parser("train", help="train with TRL + CFP from a YAML config: train {sft,dpo,grpo} --config")
+    train.add_argument("arguments", nargs=argparse.REMAINDER, help="sft|dpo|grpo, then TRL-style --key value")
+    train.set_defaults(run=lambda args: train_main(args.arguments))
     args = parser.parse_args(argv)
     try:
         args.run(args)
