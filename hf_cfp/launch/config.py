@@ -189,26 +189,26 @@ class CFPConfig:
             CFPError: an anchor that cannot be loaded, or arguments the callback refuses together.
         """
         lam, kl_budget = self._strength_arguments()
-        recheck = self._prompts("cfp_recheck_prompts", self.cfp_recheck_prompts)
-        return CFPCallback(
-            list(self.cfp_anchor or ()),
-            lam=lam,
-            monitor=self.cfp_monitor or (),
-            free_fraction=self.cfp_free_fraction,
-            compute_if_missing=self._prompts("cfp_compute_if_missing", self.cfp_compute_if_missing),
-            push_if_computed=self.cfp_push_if_computed,
-            strict=self.cfp_strict,
-            restart_path_on_resume=self.cfp_restart_path_on_resume,
-            lora_rule=self.cfp_lora_rule,
-            kl_budget=kl_budget,
-            scale_lam_with_lr=self.cfp_scale_lam_with_lr,
-            recheck_every=self.cfp_recheck_every,
-            recheck_prompts=recheck,
-            refresh_fisher=self.cfp_refresh_fisher,
-            fisher_dtype=self.cfp_fisher_dtype,
-            sparse=self.cfp_sparse,
-            sparse_by=self.cfp_sparse_by,
-        )
+        with _naming_fields():  # what only shows together with the anchors, e.g. compute_if_missing with two
+            return CFPCallback(
+                list(self.cfp_anchor or ()),
+                lam=lam,
+                monitor=self.cfp_monitor or (),
+                free_fraction=self.cfp_free_fraction,
+                compute_if_missing=self._prompts("cfp_compute_if_missing", self.cfp_compute_if_missing),
+                push_if_computed=self.cfp_push_if_computed,
+                strict=self.cfp_strict,
+                restart_path_on_resume=self.cfp_restart_path_on_resume,
+                lora_rule=self.cfp_lora_rule,
+                kl_budget=kl_budget,
+                scale_lam_with_lr=self.cfp_scale_lam_with_lr,
+                recheck_every=self.cfp_recheck_every,
+                recheck_prompts=self._prompts("cfp_recheck_prompts", self.cfp_recheck_prompts),
+                refresh_fisher=self.cfp_refresh_fisher,
+                fisher_dtype=self.cfp_fisher_dtype,
+                sparse=self.cfp_sparse,
+                sparse_by=self.cfp_sparse_by,
+            )
 
     def _strength_arguments(self) -> tuple[Any, Any]:
         """(lam, kl_budget) as CFPCallback takes them: one value stands for every protecting anchor."""
@@ -277,5 +277,6 @@ def _naming_fields() -> Iterator[None]:
 
 
 _CALLBACK_ARGUMENT = re.compile(
-    r"\b(lam|kl_budget|scale_lam_with_lr|fisher_dtype|sparse|sparse_by|recheck_every|recheck_prompts|refresh_fisher)\b"
+    r"\b(lam|kl_budget|scale_lam_with_lr|fisher_dtype|sparse|sparse_by|recheck_every|recheck_prompts|refresh_fisher"
+    r"|compute_if_missing|push_if_computed)\b"
 )

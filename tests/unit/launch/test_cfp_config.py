@@ -100,6 +100,12 @@ BAD = [
 ]
 
 
+def test_what_shows_only_with_the_anchors_is_named_when_the_callback_is_built(anchors):
+    config = CFPConfig(cfp_anchor=[anchors["math"], anchors["code"]], cfp_compute_if_missing="math")
+    with pytest.raises(CFPArgumentError, match="cfp_compute_if_missing estimates one anchor"):
+        config.build_callback()
+
+
 @pytest.mark.parametrize(("fields", "message"), BAD, ids=[message.split(" ")[0] for _, message in BAD])
 def test_a_bad_value_names_its_field(fields, message, anchors):
     if "cfp_anchor" not in fields and fields:
