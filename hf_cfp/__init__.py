@@ -2,7 +2,7 @@
 
 Layers, each importing only those below it:
 `errors`, `names`, `ops` (pure tensor math) < `parallel` < `anchor` < `fisher` < `protection`
-< `evaluation` < `integrations` < `demo` < `evidence` < `cli`.
+< `evaluation` < `integrations` < `demo` < `evidence` < `launch` < `cli`.
 
 The public names below torch (`FisherAnchor`, `CFPCallback`, ...) are imported on first use (module
 `__getattr__`, PEP 562), so that `import hf_cfp.cli` and `hf-cfp --help` do not load torch; `from hf_cfp import X`
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .evaluation import KLEstimate, kl_to_base, kl_to_base_with_stderr
     from .fisher import estimate_fisher
     from .integrations import CFP, CFPCallback, KLToBaseCallback
+    from .launch import CFPConfig
     from .protection import CFPState
 
 # public name -> the subpackage that defines it, imported when the name is first read
@@ -42,6 +43,7 @@ _LAZY_EXPORTS = {
     "CFP": "integrations",
     "CFPCallback": "integrations",
     "KLToBaseCallback": "integrations",
+    "CFPConfig": "launch",
     "CFPState": "protection",
     "load_embedded_model": "demo",
 }
@@ -58,6 +60,7 @@ __all__ = [
     "CFP",
     "CFPArgumentError",
     "CFPCallback",
+    "CFPConfig",
     "CFPError",
     "CFPHubError",
     "CFPState",

@@ -1,27 +1,44 @@
 """Dependency noise a user can do nothing about, silenced when hf_cfp is imported (torch-free).
 
-DeepSpeed: accelerate and transformers import it whenever it is installed (to recognize its engine when
-unwrapping a model), and on a machine without a GPU its import logs "Setting accelerator to CPU. If you have GPU
-or other accelerator, we were unable to detect it." to stdout, in the middle of runs that do not use DeepSpeed.
-`CPUAcceleratorNote` drops that one line unless ACCELERATE_USE_DEEPSPEED=true.
+- DeepSpeed: accelerate and transformers import it whenever it is installed (to recognize its engine when
+  unwrapping a model), and on a machine without a GPU its import logs "Setting accelerator to CPU. If you have
+  GPU or other accelerator, we were unable to detect it." to stdout, in the middle of runs that do not use
+  DeepSpeed. Dropped unless ACCELERATE_USE_DEEPSPEED=true.
+- bitsandbytes (the `qlora` extra): on a CPU with AVX512-BF16 its import warns "Failed to load CPU
+  gemm_4bit_forward from kernels-community: No module named 'kernels'..." (the `kernels` package would download
+  a kernel from the Hub) and then uses its own bundled kernel. Dropped.
 """
 
 import logging
 import os
+from collections.abc import Callable
 
 
-class CPUAcceleratorNote(logging.Filter):
-    """A filter on DeepSpeed's logger that drops its import-time "Setting accelerator to CPU." note outside
-    DeepSpeed runs (ACCELERATE_USE_DEEPSPEED not "true"); every other record passes. Installed before deepspeed is
-    imported: a logger's filters stay when DeepSpeed later adds its stdout handler to it."""
+class KnownNote(logging.Filter):
+    """A filter dropping the records whose message starts with `prefix`, unless `keep()` says this run wants
+    them; every other record passes. Installed before the library logs: a logger's filters stay when the
+    library later adds its own handler to it."""
+
+    def __init__(self, prefix: str, keep: Callable[[], bool] = lambda: False):
+        super().__init__()
+        self.prefix, self.keep = prefix, keep
 
     def filter(self, record: logging.LogRecord) -> bool:
-        note = record.getMessage().startswith("Setting accelerator to CPU.")
-        return not note or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+        return not record.getMessage().startswith(self.prefix) or self.keep()
+
+
+# logger name -> what is dropped from it
+KNOWN_NOTES = {
+    "DeepSpeed": KnownNote(
+        "Setting accelerator to CPU.", keep=lambda: os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    ),
+    "bitsandbytes.backends.cpu.ops": KnownNote("Failed to load CPU gemm_4bit_forward from kernels-community"),
+}
 
 
 def silence_known_notes() -> None:
-    """Install `CPUAcceleratorNote` on the "DeepSpeed" logger (the name deepspeed.utils.logging gives it), once."""
-    deepspeed_logger = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, CPUAcceleratorNote) for f in deepspeed_logger.filters):
-        deepspeed_logger.addFilter(CPUAcceleratorNote())
+    """Install each of `KNOWN_NOTES` on its logger, once."""
+    for logger_name, note in KNOWN_NOTES.items():
+        logger = logging.getLogger(logger_name)
+        if note not in logger.filters:
+            logger.addFilter(note)

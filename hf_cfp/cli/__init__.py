@@ -1,8 +1,8 @@
-"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`.
+"""The `hf-cfp` command line: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`, `train`.
 
-`parser` declares the commands; each runs from its own module (`demo`, `estimate`, `anchors`, `diagnose`),
-imported only when that command runs, so that `hf-cfp --help` and `import hf_cfp.cli` do not load torch;
-`failures` turns errors into two lines and an exit code. `python -m hf_cfp.cli` runs `main` too (what
+`parser` declares the commands; each runs from its own module (`demo`, `estimate`, `anchors`, `inspect`,
+`diagnose`, `train`), imported only when that command runs, so that `hf-cfp --help` and `import hf_cfp.cli` do
+not load torch; `failures` turns errors into two lines and an exit code. `python -m hf_cfp.cli` runs `main` too (what
 `accelerate launch -m hf_cfp.cli estimate ...` needs).
 """
 

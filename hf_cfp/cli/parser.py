@@ -61,8 +61,8 @@ def _number(text: str, accept, condition: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `hf-cfp` parser: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`; `--debug`
-    is accepted before or after the command."""
+    """The `hf-cfp` parser: `demo`, `estimate`, `push`, `pull`, `inspect`, `compare`, `diagnose`, `train`;
+    `--debug` is accepted before or after the command (for `train`, before its trainer kind)."""
     debug = argparse.ArgumentParser(add_help=False)
     debug.add_argument(
         "--debug",
@@ -81,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_estimate(commands, debug)
     _add_anchor_commands(commands, debug)
     _add_diagnose(commands, debug)
+    _add_train(commands, debug)
     return parser
 
 
@@ -189,3 +190,17 @@ def _add_diagnose(commands, debug) -> None:
     diagnose.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward (memory only)")
     diagnose.add_argument("--offline", action="store_true", help="use the local cache only")
     diagnose.set_defaults(handler="diagnose:run")
+
+
+def _add_train(commands, debug) -> None:
+    train = commands.add_parser(
+        "train",
+        parents=[debug],
+        help="train with TRL and CFP from a YAML config: train {sft,dpo,grpo} --config cfg.yaml [--key value ...]",
+        description="Everything after the trainer kind is read by TRL's parser (`hf-cfp train sft --help` lists "
+        "every key): YAML values replace the defaults, flags replace both.",
+    )
+    train.add_argument(
+        "arguments", nargs=argparse.REMAINDER, help="sft, dpo or grpo, then --config cfg.yaml and --key value"
+    )
+    train.set_defaults(handler="train:run")

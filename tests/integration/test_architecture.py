@@ -20,6 +20,7 @@ LAYERS = [
     ("integrations",),
     ("demo",),
     ("evidence",),
+    ("launch",),
     ("cli",),
     ("__init__",),
 ]

@@ -1,5 +1,6 @@
-"""DeepSpeed's import-time note "Setting accelerator to CPU..." (printed to stdout whenever accelerate or
-transformers import an installed deepspeed on a machine without a GPU) is dropped outside DeepSpeed runs."""
+"""hf_cfp.quiet: DeepSpeed's import-time note "Setting accelerator to CPU..." (printed to stdout whenever accelerate
+or transformers import an installed deepspeed on a machine without a GPU) is dropped outside DeepSpeed runs, and
+bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" everywhere; nothing else is."""
 
 import logging
 import os
@@ -15,9 +16,9 @@ NOTE = "Setting accelerator to CPU. If you have GPU or other accelerator, we wer
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def passes(message: str) -> bool:
-    record = logging.LogRecord("DeepSpeed", logging.WARNING, "real_accelerator.py", 213, message, None, None)
-    return bool(logging.getLogger("DeepSpeed").filter(record))
+def passes(message: str, logger: str = "DeepSpeed") -> bool:
+    record = logging.LogRecord(logger, logging.WARNING, "real_accelerator.py", 213, message, None, None)
+    return bool(logging.getLogger(logger).filter(record))
 
 
 def test_only_the_cpu_note_is_dropped_and_only_outside_deepspeed_runs(monkeypatch):
@@ -26,6 +27,13 @@ def test_only_the_cpu_note_is_dropped_and_only_outside_deepspeed_runs(monkeypatc
     assert passes("Setting accelerator to cuda") and passes("ZeRO stage 3 initialized")
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     assert passes(NOTE)
+
+
+def test_the_bitsandbytes_kernels_note_is_dropped_and_nothing_else():
+    bnb = "bitsandbytes.backends.cpu.ops"
+    assert not passes("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.", bnb)
+    assert passes("Some other bitsandbytes warning", bnb)
+    assert passes("Failed to load CPU gemm_4bit_forward from kernels-community", "another.logger")
 
 
 @pytest.mark.parametrize(
