@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 from support.references import drift_reference
 from support.tensorboard import read_scalars
-from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
+from support.tiny import accelerate_launch, anchor_for, tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, FisherAnchor
 from hf_cfp.anchor.fingerprint import model_fingerprint
@@ -79,17 +79,7 @@ def test_example_config_trains_and_logs_the_drift_of_the_saved_model(kind, works
         assert h["cfp/math/lam"] == LAM, h
         assert all(math.isfinite(h[key]) for key in CFP_KEYS), h
 
-    saved = load_file(output_dir / "model.safetensors")
-    initial = workspace["weights"]
-    assert saved.keys() == initial.keys()
-    deltas = {n: saved[n].double() - initial[n] for n in initial}
-    fisher = FisherAnchor.from_pretrained(workspace["anchor"]).fisher
-    reference = drift_reference(deltas, fisher, "math")
-    last = logs[-1]
-    for key, value in reference.items():
-        print(f"{kind} {key}: logged {last[key]:.6e}, float64 from the saved model {value:.6e}")
-        assert value > 0, key  # the run moved the weights
-        assert last[key] == pytest.approx(value, rel=METRIC_REL), (key, last[key], value)
+    reference = check_last_metrics_against_the_saved_model(kind, output_dir, logs[-1], workspace)
 
     trace = json.loads((output_dir / "config.json").read_text())["cfp"]  # the trace in the saved model
     assert trace["lam"] == [LAM]
@@ -104,6 +94,47 @@ def test_example_config_trains_and_logs_the_drift_of_the_saved_model(kind, works
             assert [s for s, _ in received] == [s for s, _ in logged], key
             for (_, got), (_, want) in zip(received, logged, strict=True):
                 assert got == pytest.approx(want, rel=1e-6), (key, got, want)
+
+
+def check_last_metrics_against_the_saved_model(kind, output_dir, last, workspace):
+    """The cfp/* metrics logged at the last step equal float64 drift of the saved model from the initial weights;
+    returns that reference."""
+    saved = load_file(output_dir / "model.safetensors")
+    initial = workspace["weights"]
+    assert saved.keys() == initial.keys()
+    deltas = {n: saved[n].double() - initial[n] for n in initial}
+    fisher = FisherAnchor.from_pretrained(workspace["anchor"]).fisher
+    reference = drift_reference(deltas, fisher, "math")
+    for key, value in reference.items():
+        print(f"{kind} {key}: logged {last[key]:.6e}, float64 from the saved model {value:.6e}")
+        assert value > 0, key  # the run moved the weights
+        assert last[key] == pytest.approx(value, rel=METRIC_REL), (key, last[key], value)
+    return reference
+
+
+def test_the_same_command_under_accelerate_launch_trains_on_two_processes(workspace, tmp_path):
+    """`accelerate launch --config_file scripts/accelerate/ddp.yaml -m hf_cfp.cli train sft ...` (the README's
+    command; ACCELERATE_USE_CPU=true: 2 gloo processes, `--mixed_precision no` as in test_accelerate_launch). The
+    16 bundled pairs at 4 per device make 2 steps per epoch on 2 processes (4 on one), so the epoch logged at
+    step 1 shows the process count; the main process's saved model and log agree as in one process."""
+    output_dir = tmp_path / "launched"
+    arguments = example_arguments("sft", workspace, output_dir, "--cfp_lam", LAM, "--report_to", "none")
+    arguments[arguments.index("--config") + 1] = str(REPO / "scripts" / "configs" / "sft.yaml")
+    arguments += ["--dataset_name", str(REPO / "hf_cfp" / "demo" / "data" / "pirate_style.jsonl")]
+    run = accelerate_launch(
+        "hf_cfp.cli",
+        "train",
+        *arguments,
+        config_file=REPO / "scripts" / "accelerate" / "ddp.yaml",
+        launch_args=["--mixed_precision", "no", "-m"],
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    history = json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+    logs = [h for h in history if "loss" in h]
+    assert [h["step"] for h in logs] == list(range(1, STEPS + 1))
+    assert logs[0]["epoch"] == pytest.approx(1 / math.ceil(16 / (4 * 2)))  # 0.5: two processes of 4 rows
+    assert all(h["cfp/math/lam"] == LAM for h in logs)
+    check_last_metrics_against_the_saved_model("sft under accelerate launch", output_dir, logs[-1], workspace)
 
 
 def test_yaml_values_hold_where_the_command_line_is_silent(workspace, tmp_path, monkeypatch):
