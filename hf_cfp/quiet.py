@@ -7,10 +7,14 @@
 - bitsandbytes (the `qlora` extra): on a CPU with AVX512-BF16 its import warns "Failed to load CPU
   gemm_4bit_forward from kernels-community: No module named 'kernels'..." (the `kernels` package would download
   a kernel from the Hub) and then uses its own bundled kernel. Dropped.
+- TRL's DPO trainer reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning
+  at every step: ignored while an `hf-cfp` command runs (`silence_known_warnings`), where the user cannot change
+  TRL's code; a script of one's own keeps Python's defaults.
 """
 
 import logging
 import os
+import warnings
 from collections.abc import Callable
 
 
@@ -42,3 +46,13 @@ def silence_known_notes() -> None:
         logger = logging.getLogger(logger_name)
         if note not in logger.filters:
             logger.addFilter(note)
+
+
+# FutureWarnings that dependencies trigger in each other, as a message regex
+KNOWN_WARNINGS = [r"`is_gradient_checkpointing` is deprecated"]
+
+
+def silence_known_warnings() -> None:
+    """Ignore each of `KNOWN_WARNINGS` (FutureWarning) in this process: called by the `hf-cfp` commands."""
+    for message in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)

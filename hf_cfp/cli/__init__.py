@@ -9,6 +9,7 @@ not load torch; `failures` turns errors into two lines and an exit code. `python
 import importlib
 from collections.abc import Sequence
 
+from ..quiet import silence_known_warnings
 from .failures import debug_from_environment, run_reporting_errors
 from .parser import build_parser
 
@@ -24,6 +25,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             `--help`. A successful command returns None.
     """
     args = build_parser().parse_args(argv)
+    silence_known_warnings()
     debug = getattr(args, "debug", False) or debug_from_environment()
     module_name, function_name = args.handler.split(":")
 

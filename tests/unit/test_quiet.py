@@ -1,6 +1,7 @@
 """hf_cfp.quiet: DeepSpeed's import-time note "Setting accelerator to CPU..." (printed to stdout whenever accelerate
 or transformers import an installed deepspeed on a machine without a GPU) is dropped outside DeepSpeed runs, and
-bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" everywhere; nothing else is."""
+bitsandbytes' "Failed to load CPU gemm_4bit_forward from kernels-community" everywhere, and the CLI ignores the
+FutureWarning TRL's DPO triggers in transformers; nothing else is silenced."""
 
 import logging
 import os
@@ -56,3 +57,14 @@ def test_importing_deepspeed_after_hf_cfp_prints_no_note(prelude, deepspeed_run,
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("Setting accelerator to CPU") == printed
+
+
+def test_the_cli_ignores_the_known_future_warning_and_no_other():
+    code = (
+        "import warnings; from hf_cfp.quiet import silence_known_warnings; silence_known_warnings(); "
+        "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning); "
+        "warnings.warn('`other_thing` is deprecated', FutureWarning)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "is_gradient_checkpointing" not in result.stderr and "`other_thing` is deprecated" in result.stderr
