@@ -432,6 +432,8 @@ class _Handler(BaseHTTPRequestHandler):
                 "X-Error-Message": err.message.replace("\n", " "),
                 **({"X-Error-Code": err.code} if err.code else {}),
             }
+        with self.hub._lock:  # logged before the client can see the answer: its next request is logged after
+            self.hub.requests.append(RequestRecord(method, split.path, status))
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(payload)))
@@ -440,8 +442,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if method != "HEAD":
             self.wfile.write(payload)
-        with self.hub._lock:
-            self.hub.requests.append(RequestRecord(method, split.path, status))
 
 
 def _ensure_no_proxy() -> None:
