@@ -9,7 +9,7 @@ test files need unique basenames in pytest's default import mode). Sections:
   tensors, 2-D included), and the exact error messages. The multi-process tests
   (tests/integration/test_distributed.py) run under torchrun; here `process_rank_and_count` is
   replaced so that one process plays each rank.
-- protection/state.py: drift metrics with sharded tensors, whose sums of squares are all-reduced
+- protection/state.py, diagonal.py: drift metrics with sharded tensors, whose sums of squares are all-reduced
   in float64 (a stand-in all-reduce adds a second process's equal shard sums), and a monitor
   anchor that covers only frozen parameters.
 - ops/drift.py: the free drift refuses lists of different lengths instead of truncating.
