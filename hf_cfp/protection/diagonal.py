@@ -36,7 +36,12 @@ class PullPart:
         return cls(tensors, [t.theta0 for t in tensors], [t.row(protecting) for t in tensors])
 
     def locals(self) -> list[torch.Tensor]:
+        """The parameters' local tensors now."""
         return [t.local() for t in self.tensors]
+
+    def terms(self, lams: Sequence[float]) -> torch.Tensor:
+        """`budget_terms` of these tensors now: [KL_k, dKL_k / dlam_k], float64 [2, K] on the CPU."""
+        return budget_terms(self.locals(), self.theta0, self.rows, lams)
 
 
 @dataclass(frozen=True)
@@ -76,11 +81,12 @@ class DiagonalTensors:
         sparse: SparseCorrection | None = None,
     ):
         self.tensors, self.sparse = tensors, sparse
-        self.protected = PullPart.of([t for t in tensors if t.covered_by(protecting)], protecting)
-        self.drift = [DriftPart.of([t for t in tensors if t.sharded == s], thresholds) for s in (False, True)]
-        self.budget = [
-            PullPart.of([t for t in self.protected.tensors if t.sharded == s], protecting) for s in (False, True)
-        ]
+        protected = [t for t in tensors if t.covered_by(protecting)]
+        self.protected = PullPart.of(protected, protecting)
+        self.replicated_drift = DriftPart.of([t for t in tensors if not t.sharded], thresholds)
+        self.sharded_drift = DriftPart.of([t for t in tensors if t.sharded], thresholds)
+        self.replicated_budget = PullPart.of([t for t in protected if not t.sharded], protecting)
+        self.sharded_budget = PullPart.of([t for t in protected if t.sharded], protecting)
 
     def correct(self, lams: Sequence[float]) -> None:
         """theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k) on every protected tensor (on the kept
@@ -93,26 +99,24 @@ class DiagonalTensors:
 
     def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(replicated, sharded) `drift_squares` sums, each float64 [1 + 2V] on the CPU."""
-        replicated, sharded = (part.squares() for part in self.drift)
-        return replicated, sharded
+        return self.replicated_drift.squares(), self.sharded_drift.squares()
 
     @property
     def drift_shard_device(self) -> torch.device | None:
         """The device the sharded drift sums are all-reduced on (the first sharded tensor's), None with none."""
-        sharded = self.drift[1].tensors
+        sharded = self.sharded_drift.tensors
         return sharded[0].local().device if sharded else None
 
     def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """(replicated, sharded) `budget_terms` of the protected tensors: [KL_k, dKL_k / dlam_k], float64 [2, K]."""
-        replicated, sharded = (budget_terms(part.locals(), part.theta0, part.rows, lams) for part in self.budget)
-        return replicated, sharded
+        return self.replicated_budget.terms(lams), self.sharded_budget.terms(lams)
 
     @property
     def budget_shard_device(self) -> torch.device | None:
         """The device the sharded budget terms are all-reduced on (the first sharded protected tensor's theta0's),
         None with none."""
-        sharded = self.budget[1]
-        return sharded.theta0[0].device if sharded.tensors else None
+        sharded = self.sharded_budget.theta0
+        return sharded[0].device if sharded else None
 
     def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
         """(protected coordinates, the share of them with P = sum_k lam_k F_k > 1, the 99th and the 99.9th

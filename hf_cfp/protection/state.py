@@ -36,6 +36,12 @@ class CFPState:
     (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is measured by its
     merged displacement Delta_W = s B A - s0 B0 A0 (`adapted`) and corrected through its LoRA factors (`lora_rule`).
 
+    What it holds, as named records (`records`): `tensors`, one `TrackedTensor` per covered trainable parameter
+    (theta0, held range, each anchor's F); `views`, one `AnchorView` per anchor (its tensors, its free-drift
+    threshold); `diagonal`, the tensors whose F is a diagonal, with the lists the per-step ops take (`diagonal`);
+    `adapted` and `adapters`, the LoRA-adapted weights and their correction. A second geometry of F is one more
+    group beside `diagonal`, whose correction, drift sums and budget terms these methods add to its own.
+
     Args:
         model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
         anchor ([`FisherAnchor`] or a sequence of them): the protecting anchor(s).
@@ -51,12 +57,6 @@ class CFPState:
     Raises:
         CFPArgumentError: no protecting anchor, or a sparse plan under DeepSpeed ZeRO.
         AnchorMismatchError: an anchor covers a parameter the model does not have, or with another shape.
-
-    What it holds, as named records (`records`): `tensors`, one `TrackedTensor` per covered trainable parameter
-    (theta0, held range, each anchor's F); `views`, one `AnchorView` per anchor (its tensors, its free-drift
-    threshold); `diagonal`, the tensors whose F is a diagonal with the lists the per-step ops take (`diagonal`);
-    `adapted` and `adapters`, the LoRA-adapted weights and their correction. A second geometry of F is a group
-    beside `diagonal` whose correction, drift sums and budget terms these methods add.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class CFPState:
         bound = {a.name: bind_anchor(a, model, view.params if view else None, memory.store_fisher) for a in anchors}
         adapted = adapted_tensors(view.adapted if view else {}, anchors)
         if adapted and theta0 is not None:
-            theta0.restore_lora([a.weight for a in adapted])  # the origin of the measured path: the factors at begin
+            theta0.restore_lora([a.weight for a in adapted])  # the path's origin: the factors at train begin
         tracked = track(bound, memory, theta0)
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
         sparse, report = (
