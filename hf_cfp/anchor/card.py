@@ -2,19 +2,16 @@
 (also shown at the repository's `model_cards/fisher_anchor.md`)."""
 
 from importlib import resources
-from typing import TYPE_CHECKING
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .protocol import NamedFisher
 from .statistics import concentration
-
-if TYPE_CHECKING:  # artifact.py imports this module to push cards
-    from .artifact import FisherAnchor
 
 TAGS = ["cfp", "fisher-anchor", "hf-cfp"]
 
 
-def render_card(anchor: "FisherAnchor", reference: str) -> ModelCard:
+def render_card(anchor: NamedFisher, reference: str) -> ModelCard:
     """A ModelCard with `base_model:` metadata and tags, statistics and limitations."""
     meta, stats = anchor.metadata, anchor.metadata["statistics"]
     base = meta.get("base_model")

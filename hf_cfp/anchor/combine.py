@@ -2,20 +2,17 @@
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import AnchorMismatchError, CFPArgumentError, plural
 from .compare import layout_difference
-
-if TYPE_CHECKING:  # artifact.py imports this module for FisherAnchor.combine
-    from .artifact import FisherAnchor
+from .protocol import NamedFisher
 
 BASE_MODEL_KEYS = ("base_model", "base_model_revision", "base_fingerprint")  # what ties an anchor to its base
 
 
-def combine_parts(anchors: Sequence["FisherAnchor"], weights: Sequence[float] | None) -> tuple[dict, dict]:
+def combine_parts(anchors: Sequence[NamedFisher], weights: Sequence[float] | None) -> tuple[dict, dict]:
     """(fisher, metadata) of `FisherAnchor.combine`: F = sum_k w_k F_k summed in float64 (w_k = 1/K by
     default), the parts' shared base-model entries, and `combined_from` listing each part's name, weight
     and reference. Refuses bad weights (CFPArgumentError) and parts that differ in tensor names, shapes
@@ -50,7 +47,7 @@ def combine_parts(anchors: Sequence["FisherAnchor"], weights: Sequence[float] | 
     return fisher, metadata
 
 
-def _check_compatible(first: "FisherAnchor", part: "FisherAnchor") -> None:
+def _check_compatible(first: NamedFisher, part: NamedFisher) -> None:
     difference = layout_difference(first.fisher, part.fisher)
     if difference is not None:
         raise AnchorMismatchError(
@@ -67,7 +64,7 @@ def _check_compatible(first: "FisherAnchor", part: "FisherAnchor") -> None:
             )
 
 
-def hub_reference(anchor: "FisherAnchor") -> str | None:
+def hub_reference(anchor: NamedFisher) -> str | None:
     """`org/model@commit:subfolder` for an anchor loaded from the Hub (`metadata["hub"]`), else None."""
     hub = anchor.metadata.get("hub")
     if not isinstance(hub, dict) or not hub.get("repo_id"):

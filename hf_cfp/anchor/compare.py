@@ -6,16 +6,13 @@ Used by `hf-cfp compare` (two capabilities, two sample sizes, two revisions of a
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import AnchorMismatchError
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
+from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses
-
-if TYPE_CHECKING:  # artifact.py imports this module to check the parts of a combination
-    from .artifact import FisherAnchor
 
 
 def layout_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> str | None:
@@ -81,7 +78,7 @@ def split_half(first_sums: Sequence[torch.Tensor], second_sums: Sequence[torch.T
     }
 
 
-def compare_anchors(a: "FisherAnchor", b: "FisherAnchor") -> dict:
+def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
     """Two anchors over the same tensor names and shapes, with F_a, F_b flattened in a's tensor order:
 
     - `top_overlap`: |T(F_a) ∩ T(F_b)| / |T| for the top 0.1%, 1% and 5% coordinate sets (`top_mask`),

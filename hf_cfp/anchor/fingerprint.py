@@ -130,16 +130,29 @@ def _are(names) -> str:
 
 
 def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
-    """What differs between a stored fingerprint and the live parameters, as short phrases."""
-    problems = []
+    """What differs between a stored fingerprint and the live parameters, as short phrases: the count, then
+    the names, shapes and dtypes, then the sampled weights."""
+    listing = {name: _signature(params[name]) for name in sorted(params)}
+    return [
+        *_count_difference(expected, params),
+        *_structure_differences(expected, params, listing),
+        *_weight_differences(expected, params, listing),
+    ]
+
+
+def _count_difference(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
     live_count = sum(_numel(p) for p in params.values())
     if expected.get("num_parameters") is not None and expected["num_parameters"] != live_count:
-        problems.append(
-            f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)"
-        )
-    listing = {name: _signature(params[name]) for name in sorted(params)}
+        return [f"parameter count {expected['num_parameters']} (anchor's base model) vs {live_count} (this model)"]
+    return []
+
+
+def _structure_differences(expected: dict, params: dict[str, torch.Tensor], listing: dict[str, str]) -> list[str]:
+    """Names missing or extra, and up to three parameters of another dtype or shape, against the stored listing;
+    without one (a base over MAX_LISTED parameters), against its hash (not for a quantized model)."""
     stored = expected.get("parameters")
     if isinstance(stored, dict):
+        problems = []
         missing, extra = stored.keys() - listing.keys(), listing.keys() - stored.keys()
         changed = [n for n in stored.keys() & listing.keys() if not _comparable(stored[n], listing[n])]
         if missing:
@@ -157,7 +170,8 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
             problems.append(
                 f"{plural(len(changed) - 3, 'more parameter')} {_are(changed[3:])} of another dtype or shape"
             )
-    elif any(quantization(p) is not None for p in params.values()):
+        return problems
+    if any(quantization(p) is not None for p in params.values()):
         # only a hash of `name<TAB>dtype[shape]` lines is stored, and the dtypes of quantized weights are gone
         log_on_main_process(
             logger.warning_once,
@@ -166,7 +180,14 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
             MAX_LISTED,
         )
     elif expected.get("parameters_sha256") not in (None, _structure_sha256(listing)):
-        problems.append("parameter names, shapes or dtypes differ (parameters_sha256)")
+        return ["parameter names, shapes or dtypes differ (parameters_sha256)"]
+    return []
+
+
+def _weight_differences(expected: dict, params: dict[str, torch.Tensor], listing: dict[str, str]) -> list[str]:
+    """The sampled tensors whose leading bytes hash differently, among those of the same name, shape and dtype
+    (quantized weights are not compared)."""
+    stored = expected.get("parameters")
     differing = []
     for name, digest in (expected.get("sampled_sha256") or {}).items():
         if name in params and digest is not None and quantization(params[name]) is None:
@@ -177,12 +198,12 @@ def _differences(expected: dict, params: dict[str, torch.Tensor]) -> list[str]:
                 and (not isinstance(stored, dict) or stored.get(name) == listing[name])
             ):
                 differing.append(name)
-    if differing:
-        problems.append(
-            f"same names and shapes but different weights: sampled {'tensor' if len(differing) == 1 else 'tensors'} "
-            f"{_few(differing)} {'differs' if len(differing) == 1 else 'differ'}"
-        )
-    return problems
+    if not differing:
+        return []
+    return [
+        f"same names and shapes but different weights: sampled {'tensor' if len(differing) == 1 else 'tensors'} "
+        f"{_few(differing)} {'differs' if len(differing) == 1 else 'differ'}"
+    ]
 
 
 def check_fingerprint(

@@ -127,6 +127,28 @@ def write_tensors(
     one is complete; tensor files of a previous save that the new one does not use are removed after
     the renames. A failure therefore leaves the previous anchor byte-identical and no temporary files.
     """
+    torch_dtype = _storage_dtype(dtype)
+    if not tensors:
+        raise CFPArgumentError("write_tensors got no tensors; pass {parameter_name: tensor, ...}.")
+    limit = parse_size(max_shard_size)
+    header = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    total_size = sum(t.numel() for t in tensors.values()) * itemsize
+    plan = [list(tensors)] if total_size <= limit else _plan_shards(tensors, limit, itemsize)
+    if len(plan) == 1:
+        outputs = [(WEIGHTS_NAME, plan[0])]
+    else:
+        outputs = [(f"fisher-{k:05d}-of-{len(plan):05d}.safetensors", names) for k, names in enumerate(plan, 1)]
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = _write_staged(directory, outputs, tensors, torch_dtype, header, total_size)
+    for stale in sorted(set(filter(is_tensor_file, os.listdir(directory))) - set(written)):
+        os.remove(directory / stale)
+    return written
+
+
+def _storage_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a storage dtype name ("float32", "bfloat16"); CFPArgumentError for any other."""
     if dtype == "float16":
         raise CFPArgumentError(
             "dtype='float16' is refused for anchor storage: Fisher values are means of squared scores, often "
@@ -135,32 +157,26 @@ def write_tensors(
         )
     if dtype not in _STORAGE_DTYPES:
         raise CFPArgumentError(f"dtype={dtype!r} is not a storage dtype for anchors: use 'float32' or 'bfloat16'.")
-    if not tensors:
-        raise CFPArgumentError("write_tensors got no tensors; pass {parameter_name: tensor, ...}.")
-    torch_dtype, limit = _STORAGE_DTYPES[dtype], parse_size(max_shard_size)
-    header = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
-    total_size = sum(t.numel() for t in tensors.values()) * itemsize
-    plan = [list(tensors)] if total_size <= limit else _plan_shards(tensors, limit, itemsize)
+    return _STORAGE_DTYPES[dtype]
 
-    if len(plan) == 1:
-        outputs = [(WEIGHTS_NAME, plan[0])]
-    else:
-        outputs = [(f"fisher-{k:05d}-of-{len(plan):05d}.safetensors", names) for k, names in enumerate(plan, 1)]
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+
+def _write_staged(
+    directory: Path,
+    outputs: list[tuple[str, list[str]]],
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    header: dict[str, str],
+    total_size: int,
+) -> list[str]:
+    """Write each (file name, tensor names) of `outputs`, and the index when there are several, under temporary
+    names in `directory`, then rename them all into place; no temporary file is left, whatever fails. Returns the
+    file names written."""
     staged = []
     try:
         for filename, names in outputs:
             tmp = temporary_path(directory, filename)
             staged.append((tmp, filename))
-            shard, storages = {}, set()
-            for name in names:
-                tensor = tensors[name].detach().to(device="cpu", dtype=torch_dtype).contiguous()
-                pointer = tensor.untyped_storage().data_ptr()
-                shard[name] = tensor.clone() if pointer in storages else tensor  # save_file refuses shared memory
-                storages.add(pointer)
-            save_tensor_file(shard, tmp, metadata=header)
+            save_tensor_file(_stored(tensors, names, dtype), tmp, metadata=header)
         if len(outputs) > 1:
             index = {
                 "metadata": {"total_size": total_size},
@@ -176,10 +192,18 @@ def write_tensors(
         for tmp, _ in staged:
             if os.path.exists(tmp):
                 os.remove(tmp)
-    written = [filename for _, filename in staged]
-    for stale in sorted(set(filter(is_tensor_file, os.listdir(directory))) - set(written)):
-        os.remove(directory / stale)
-    return written
+    return [filename for _, filename in staged]
+
+
+def _stored(tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors `names` as one file stores them: on the CPU, in `dtype`, contiguous, none sharing memory."""
+    shard, storages = {}, set()
+    for name in names:
+        tensor = tensors[name].detach().to(device="cpu", dtype=dtype).contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        shard[name] = tensor.clone() if pointer in storages else tensor  # save_file refuses shared memory
+        storages.add(pointer)
+    return shard
 
 
 @dataclass(frozen=True)

@@ -94,16 +94,7 @@ def add_batched_squared_scores(
             response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
             A response token of probability 0 under mu raises CFPArgumentError.
     """
-    if len(params) != len(accumulators):
-        raise CFPArgumentError(
-            f"Got {plural(len(params), 'param')} but {plural(len(accumulators), 'accumulator')}; give one each."
-        )
-    if len(prompts) != len(responses):
-        raise CFPArgumentError(
-            f"Got {plural(len(prompts), 'prompt')} but {plural(len(responses), 'response')}; give one each."
-        )
-    if any(len(prompt) == 0 for prompt in prompts):
-        raise CFPArgumentError("An empty prompt has no position to predict the first response token from.")
+    _check_batch(params, accumulators, prompts, responses)
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
@@ -141,6 +132,21 @@ def add_batched_squared_scores(
                 [params[i] for i in fb],
                 sequence_log_prob(model, prompt, response, sampler, support),
             )
+
+
+def _check_batch(params, accumulators, prompts, responses) -> None:
+    """CFPArgumentError unless there is one accumulator per parameter, one response per prompt, and no empty
+    prompt."""
+    if len(params) != len(accumulators):
+        raise CFPArgumentError(
+            f"Got {plural(len(params), 'param')} but {plural(len(accumulators), 'accumulator')}; give one each."
+        )
+    if len(prompts) != len(responses):
+        raise CFPArgumentError(
+            f"Got {plural(len(prompts), 'prompt')} but {plural(len(responses), 'response')}; give one each."
+        )
+    if any(len(prompt) == 0 for prompt in prompts):
+        raise CFPArgumentError("An empty prompt has no position to predict the first response token from.")
 
 
 # ----------------------------------------------------------------------------- which parameters are covered

@@ -1,26 +1,30 @@
-"""estimate_fisher: the anchor Fisher of a capability at the model's current weights."""
+"""estimate_fisher: the anchor Fisher of a capability at the model's current weights.
+
+The stages, each its own piece: the arguments checked (`_check_arguments`, `Sampler`), the sampler's settings
+(`sampling.SamplingSettings`), the calibration sequences and their split over processes and halves
+(`calibration.CalibrationPlan`), their responses drawn or given (`_OnPolicy`, `_Given`), the groups scored
+together, one sample per token for the token estimator (`calibration.ScoringGroups`), the sums they add to
+(`accumulators.DiagonalSums`), one all-reduce, and the anchor's metadata (`_metadata`).
+"""
 
 import contextlib
-import math
-from collections.abc import Callable
 from datetime import datetime, timezone
 
 import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
-from ..anchor.compare import split_half
 from ..errors import CFPArgumentError, plural
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
-from .batched import add_batched_squared_scores
+from .accumulators import ENGINE_FUNCTIONS, DiagonalSums, FisherSums
+from .calibration import CalibrationPlan, ScoringGroups
 from .prompts import prompts_sha256, to_token_ids
-from .sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_with_supports
-from .scoring import add_squared_score, sequence_log_prob
+from .sampling import Sampler, SamplingSettings
 
 ESTIMATORS = ("sequence", "token", "empirical")
-ENGINES = ("batched", "loop")
+ENGINES = tuple(ENGINE_FUNCTIONS)
 
 
 def estimate_fisher(
@@ -105,7 +109,7 @@ def estimate_fisher(
         scoring_tokens: consecutive sequences of a sampled batch are scored in one forward and backward
             while (sequences x padded length) <= scoring_tokens (at least one sequence): the scoring
             memory grows with these tokens (about 2.6 MB each for a 135M model in float32), so the
-            sampling batch does not set it. `_scoring_groups` states the rule.
+            sampling batch does not set it. `calibration.scoring_groups` states the rule.
 
     Returns:
         [`FisherAnchor`]: F by canonical parameter name (float32, CPU), named `name`, with its metadata: the
@@ -116,115 +120,140 @@ def estimate_fisher(
         CFPArgumentError: an unknown estimator or engine, a non-positive count or negative seed, a bad sampler
             setting, no prompts, text prompts without a tokenizer, or `responses` that do not fit the estimator.
     """
+    _check_arguments(
+        estimator,
+        engine,
+        num_sequences=num_sequences,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+        num_samples_per_prompt=num_samples_per_prompt,
+        scoring_tokens=scoring_tokens,
+    )
+    sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
+    prompt_ids = to_token_ids(prompts, tokenizer)
+    labels = _labels(responses, tokenizer, len(prompt_ids), estimator)
+    settings = SamplingSettings.resolve(model, tokenizer, sampler, max_new_tokens, eos_token_id, seed)
+    plan = CalibrationPlan(num_sequences, batch_size, num_samples_per_prompt, *process_rank_and_count())
+    named = named_parameters_once(model, trainable_only=trainable_only)
+    sums = DiagonalSums(named, num_sequences, plan.half, engine, settings.sampler, settings.pad_id)
+    groups = ScoringGroups(estimator == "token", batch_size, scoring_tokens)
+    with _evaluating(model):
+        _check_causal_lm(model, prompt_ids[0])
+        disable = not show_progress or plan.rank != 0
+        with (
+            requiring_grad(sums.params),
+            _progress_bar(name, plan.sequences, labels is None, max_new_tokens, disable) as bar,
+        ):
+            source = _OnPolicy(settings, bar) if labels is None else _Given(labels, plan, bar)
+            response_tokens = _score_batches(model, prompt_ids, plan, source, groups, sums)
+    all_reduce_sum_([*sums.reduced(), response_tokens])
+    fisher, reliability = sums.finish()
+    metadata = _metadata(
+        model,
+        estimator,
+        settings,
+        plan,
+        prompt_ids,
+        sampled=labels is None,
+        mean_response_tokens=float(response_tokens) / num_sequences,
+        split_half=reliability,
+        trainable_only=trainable_only,
+    )
+    return FisherAnchor(fisher, name=name, metadata=metadata)
+
+
+def _check_arguments(estimator: str, engine: str, **counts: int) -> None:
+    """CFPArgumentError for an unknown estimator or engine, or a count that is not an integer >= 1 (the seed: >= 0)."""
     if estimator not in ESTIMATORS:
         raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
     if engine not in ENGINES:
         raise CFPArgumentError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    for argument, value, least in (
-        ("num_sequences", num_sequences, 1),
-        ("max_new_tokens", max_new_tokens, 1),
-        ("batch_size", batch_size, 1),
-        ("seed", seed, 0),
-        ("num_samples_per_prompt", num_samples_per_prompt, 1),
-        ("scoring_tokens", scoring_tokens, 1),
-    ):
+    for argument, value in counts.items():
+        least = 0 if argument == "seed" else 1
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise CFPArgumentError(f"{argument} must be an integer >= {least}, got {value!r}.")
-    sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
-    prompt_ids = to_token_ids(prompts, tokenizer)
-    labels = _labels(responses, tokenizer, len(prompt_ids), estimator)
-    eos_ids = resolve_eos_ids(model, tokenizer, eos_token_id)
-    pad_id = resolve_pad_id(tokenizer, eos_ids)
-    score = _ENGINE_FUNCTIONS[engine]
 
-    named = list(named_parameters_once(model, trainable_only=trainable_only))
-    params = [p for _, p in named]
-    sums = [torch.zeros_like(p, dtype=torch.float32) for p in params]  # S_b, then S = S_a + S_b
-    half = math.ceil(num_sequences / 2) if num_sequences >= 2 else 0  # sequences n < N/2 form the first half
-    first = [torch.zeros_like(s) for s in sums] if half else []  # S_a: the one extra accumulator
-    rank, count = process_rank_and_count()
-    my_batches = range(rank, math.ceil(num_sequences / batch_size), count)
-    my_sequences = sum(min(batch_size, num_sequences - k * batch_size) for k in my_batches)
+
+def _score_batches(model, prompt_ids, plan: CalibrationPlan, source, groups: ScoringGroups, sums: FisherSums):
+    """Every batch of this process: its prompts, their responses (`source`), each half's groups added to `sums`.
+    Returns the number of response tokens, float64 [1] (all-reduced with the sums)."""
     response_tokens = torch.zeros(1, dtype=torch.float64)
-    was_training = model.training
-    model.eval()
-    try:
-        _check_causal_lm(model, prompt_ids[0])
-        with (
-            requiring_grad(params),
-            _progress_bar(
-                name, my_sequences, labels is None, max_new_tokens, not show_progress or rank != 0
-            ) as progress,
-        ):
-            for k in my_batches:
-                indices = range(k * batch_size, min((k + 1) * batch_size, num_sequences))
-                batch = [prompt_ids[(n // num_samples_per_prompt) % len(prompt_ids)] for n in indices]
-                if labels is None:
-                    progress.set_postfix_str("sampling")
-                    drawn, supports = sample_with_supports(
-                        model,
-                        batch,
-                        sampler,
-                        max_new_tokens,
-                        eos_ids,
-                        pad_id,
-                        batch_generator(seed, k),
-                        progress.update,
-                    )
-                    progress.update(len(indices) * max_new_tokens - sum(len(r) for r in drawn))  # ended at EOS
-                    progress.set_postfix_str("scoring")
-                else:
-                    drawn = [labels[(n // num_samples_per_prompt) % len(labels)] for n in indices]
-                    supports = [None] * len(drawn)
-                cut = min(max(half - indices.start, 0), len(indices))  # batch[:cut] is in the first half
-                for accumulators, part in ((first, slice(0, cut)), (sums, slice(cut, None))):
-                    part_prompts, part_responses, part_supports = batch[part], drawn[part], supports[part]
-                    if estimator == "token":
-                        part_prompts, part_responses, part_supports = _one_token_samples(
-                            part_prompts, part_responses, part_supports
-                        )
-                    for group in _scoring_groups(part_prompts, part_responses, batch_size, scoring_tokens):
-                        score(
-                            model,
-                            params,
-                            accumulators,
-                            part_prompts[group],
-                            part_responses[group],
-                            sampler,
-                            pad_id,
-                            supports=part_supports[group],
-                        )
-                response_tokens += sum(len(r) for r in drawn)
-                if labels is not None:
-                    progress.update(len(indices))
-    finally:
-        model.train(was_training)
-    all_reduce_sum_([*sums, *first, response_tokens])
+    for k in plan.batches:
+        indices = plan.indices(k)
+        batch = plan.cycled(prompt_ids, indices)
+        drawn, supports = source.responses(model, batch, k, indices)
+        for first_half, part in plan.halves(indices):
+            for group in groups(batch[part], drawn[part], supports[part]):
+                sums.add(model, *group, first_half=first_half)
+        response_tokens += sum(len(r) for r in drawn)
+        source.scored(len(indices))
+    return response_tokens
 
-    reliability = split_half(first, sums, half, num_sequences - half) if half else None
-    if half:
-        torch._foreach_add_(sums, first)
-    del first  # before the anchor is built: its statistics need memory of their own
-    fisher = {n: s.div_(num_sequences).cpu() for (n, _), s in zip(named, sums, strict=True)}
-    metadata = {
+
+class _OnPolicy:
+    """Responses drawn from the model (`SamplingSettings.draw`), the bar moving with every generation step."""
+
+    def __init__(self, settings: SamplingSettings, bar: tqdm):
+        self.settings, self.bar = settings, bar
+
+    def responses(self, model, prompts: list[list[int]], k: int, indices: range):
+        self.bar.set_postfix_str("sampling")
+        drawn, supports = self.settings.draw(model, prompts, k, self.bar.update)
+        self.bar.update(len(indices) * self.settings.max_new_tokens - sum(len(r) for r in drawn))  # ended at EOS
+        self.bar.set_postfix_str("scoring")
+        return drawn, supports
+
+    def scored(self, count: int) -> None:
+        """Nothing: the bar counts tokens as they are drawn."""
+
+
+class _Given:
+    """The given responses (labels) of the empirical estimator, cycled like the prompts; the bar counts sequences."""
+
+    def __init__(self, labels: list[list[int]], plan: CalibrationPlan, bar: tqdm):
+        self.labels, self.plan, self.bar = labels, plan, bar
+
+    def responses(self, model, prompts: list[list[int]], k: int, indices: range):
+        drawn = self.plan.cycled(self.labels, indices)
+        return drawn, [None] * len(drawn)
+
+    def scored(self, count: int) -> None:
+        self.bar.update(count)
+
+
+def _metadata(
+    model,
+    estimator: str,
+    settings: SamplingSettings,
+    plan: CalibrationPlan,
+    prompt_ids: list[list[int]],
+    *,
+    sampled: bool,
+    mean_response_tokens: float,
+    split_half: dict | None,
+    trainable_only: bool,
+) -> dict:
+    """The anchor's metadata: the base model, how the sequences were drawn (the sampler only when `sampled`, not for
+    given responses) and scored, and what they came out as."""
+    return {
         "base_model": getattr(model.config, "_name_or_path", None) or None,
         "base_model_revision": getattr(model.config, "_commit_hash", None),
         "base_fingerprint": model_fingerprint(model),
         "estimator": estimator,
-        "sampler": {**sampler.as_dict(), "max_new_tokens": max_new_tokens} if labels is None else None,
-        "num_samples_per_prompt": num_samples_per_prompt,
-        "num_processes": count,
-        "num_sequences": num_sequences,
+        "sampler": settings.as_dict() if sampled else None,
+        "num_samples_per_prompt": plan.num_samples_per_prompt,
+        "num_processes": plan.count,
+        "num_sequences": plan.num_sequences,
         "num_prompts": len(prompt_ids),
         "prompts_sha256": prompts_sha256(prompt_ids),
-        "seed": seed,
-        "mean_response_tokens": float(response_tokens) / num_sequences,
-        "split_half": reliability,
+        "seed": settings.seed,
+        "mean_response_tokens": mean_response_tokens,
+        "split_half": split_half,
         "trainable_only": trainable_only,
         "library_version": __version__,
         "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    return FisherAnchor(fisher, name=name, metadata=metadata)
 
 
 def _progress_bar(name: str, sequences: int, sampling: bool, max_new_tokens: int, disable: bool) -> tqdm:
@@ -239,41 +268,15 @@ def _progress_bar(name: str, sequences: int, sampling: bool, max_new_tokens: int
     return tqdm(total=sequences, desc=f"Fisher[{name}]", unit="seq", disable=disable)
 
 
-def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, supports) -> None:
-    """The plain reference: one forward and backward per sequence, each token scored on its support."""
-    for prompt, response, support in zip(prompts, responses, supports, strict=True):
-        add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler, support))
-
-
-_ENGINE_FUNCTIONS: dict[str, Callable[..., None]] = {"batched": add_batched_squared_scores, "loop": _loop_engine}
-
-
-def _scoring_groups(prompts, responses, batch_size: int, scoring_tokens: int) -> list[slice]:
-    """Consecutive groups of sequences scored together: a group grows while it has at most batch_size
-    sequences and (sequences x longest prompt + response) <= scoring_tokens, the padded tokens of its
-    forward; a sequence longer than scoring_tokens is scored alone."""
-    groups, start, width = [], 0, 0
-    for n, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        grown = max(width, len(prompt) + len(response))
-        if n > start and (n - start == batch_size or (n + 1 - start) * grown > scoring_tokens):
-            groups.append(slice(start, n))
-            start, grown = n, len(prompt) + len(response)
-        width = grown
-    if start < len(prompts):
-        groups.append(slice(start, len(prompts)))
-    return groups
-
-
-def _one_token_samples(prompts, responses, supports):
-    """The token estimator's samples: (x + y_<t, [y_t]) for every response position t, so that
-    sum over samples of squared scores = sum_n sum_t (d log mu(y_t | x, y_<t))^2; each keeps the
-    support y_t was drawn from (row t of its response's supports, or None)."""
-    samples = [
-        (p + r[:t], [r[t]], None if s is None else s[t : t + 1])
-        for p, r, s in zip(prompts, responses, supports, strict=True)
-        for t in range(len(r))
-    ]
-    return [p for p, _, _ in samples], [r for _, r, _ in samples], [s for _, _, s in samples]
+@contextlib.contextmanager
+def _evaluating(model):
+    """The model in eval mode (no dropout: every sequence scored as drawn), then back in its own mode."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 def _labels(responses, tokenizer, num_prompts: int, estimator: str):

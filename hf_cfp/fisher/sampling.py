@@ -24,7 +24,7 @@ every such near-tie; scoring against a recomputed S would be off-center even whe
 
 import hashlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -125,12 +125,49 @@ def batch_generator(seed: int, batch_index: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Everything that fixes an estimate's on-policy draws, given the prompts: responses drawn from `sampler`'s mu,
+    at most `max_new_tokens` tokens each, ending with the first token in `eos_ids`, prompts left-padded with
+    `pad_id`, batch k from its own stream `batch_generator(seed, k)`. The scores use the same `sampler` and
+    `pad_id` (the empirical estimator keeps the default `Sampler()` and draws nothing)."""
+
+    sampler: Sampler
+    max_new_tokens: int
+    eos_ids: frozenset[int]
+    pad_id: int
+    seed: int
+
+    @classmethod
+    def resolve(
+        cls, model, tokenizer, sampler: Sampler, max_new_tokens: int, eos_token_id: int | list[int] | None, seed: int
+    ) -> "SamplingSettings":
+        """The settings with the EOS ids and the pad id resolved from the arguments, the model and the tokenizer
+        (`resolve_eos_ids`, `resolve_pad_id`)."""
+        eos_ids = resolve_eos_ids(model, tokenizer, eos_token_id)
+        return cls(sampler, max_new_tokens, frozenset(eos_ids), resolve_pad_id(tokenizer, eos_ids), seed)
+
+    def draw(
+        self, model, prompts: list[list[int]], batch_index: int, on_step: Callable[[int], object] | None = None
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Batch `batch_index`'s responses to `prompts` and the supports they were drawn from
+        (`sample_with_supports`)."""
+        generator = batch_generator(self.seed, batch_index)
+        return sample_with_supports(
+            model, prompts, self.sampler, self.max_new_tokens, self.eos_ids, self.pad_id, generator, on_step
+        )
+
+    def as_dict(self) -> dict:
+        """The sampler as recorded in an anchor's metadata: temperature, top_k, top_p and max_new_tokens."""
+        return {**self.sampler.as_dict(), "max_new_tokens": self.max_new_tokens}
+
+
 def sample_responses(
     model,
     prompts: list[list[int]],
     sampler: Sampler,
     max_new_tokens: int,
-    eos_ids: set[int],
+    eos_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator,
 ) -> list[list[int]]:
@@ -152,7 +189,7 @@ def sample_with_supports(
     prompts: list[list[int]],
     sampler: Sampler,
     max_new_tokens: int,
-    eos_ids: set[int],
+    eos_ids: Collection[int],
     pad_id: int,
     generator: torch.Generator,
     on_step: Callable[[int], object] | None = None,

@@ -127,7 +127,7 @@ class CFP:
         train begin and lam_t's warm start."""
         lams = self.protection.lams
         self.protection = self.settings.bind(
-            self.protection.model, anchors, self.optimizer, Theta0Pieces.of(self.protection)
+            self.protection.model, anchors, self.optimizer, self.protection.theta0_pieces()
         )
         self.anchors, self.protection.lams = list(anchors), lams
 
@@ -140,7 +140,7 @@ class CFP:
             `dict[str, Any]`: `{"steps": int, "lams": list[float], "theta0": {name: tensor}, "lora0": {weight name:
             [(s0, B0, A0) per active adapter]}}`.
         """
-        pieces = Theta0Pieces.of(self.protection)
+        pieces = self.protection.theta0_pieces()
         theta0 = {name: t.detach().cpu().clone() for name, t in pieces.theta0.items()}
         lora0 = {
             name: [(s0, b0.detach().cpu().clone(), a0.detach().cpu().clone()) for s0, b0, a0 in snapshot]

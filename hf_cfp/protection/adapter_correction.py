@@ -33,6 +33,15 @@ class AdapterCorrection:
         ]
         self.residual: float | None = None  # of the last measured step
 
+    def factor_params(self) -> list[torch.Tensor]:
+        """The LoRA factors (A and B of each active adapter) of the weights this correction rewrites."""
+        return [
+            factors[a].weight  # type: ignore[misc]
+            for weight, _ in self.weights
+            for a in weight.adapters
+            for factors in (weight.layer.lora_A, weight.layer.lora_B)
+        ]
+
     @torch.no_grad()
     def correct(self, lams: list[float], measure: bool = False) -> None:
         """Replace each weight's factors by the rule's (B', A') for the pull P = sum_k lam_k F_k; with

@@ -7,7 +7,7 @@ files (`FisherAnchor.from_pretrained(..., lazy=True)`) only those slices are rea
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,7 @@ from ..anchor import FisherAnchor
 from ..anchor.lazy import fisher_shape, read_block, read_flat
 from ..errors import AnchorMismatchError
 from ..names import canonical_name
+from ..parallel.fsdp1 import FlatPiece
 from ..parallel.processes import log_on_main_process
 from ..parallel.shards import dtensor_flat_range, dtensor_local_block, held_pieces
 from ..quantized import logical_shape
@@ -69,13 +70,7 @@ def bind_anchor(
     parameters never move, so they are skipped (one log line says which). A sharded parameter
     (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
     """
-    by_name: dict[str, torch.Tensor] = {}  # every canonical name, tied aliases included -> parameter
-    for alias, parameter in model.named_parameters(remove_duplicate=False):
-        by_name.setdefault(canonical_name(alias), parameter)
-    flat_views, pieces = held_pieces(model)
-    by_name.update(flat_views)
-    if names:
-        by_name = {**names, **{n: p for n, p in by_name.items() if n not in names}}
+    by_name, pieces = _parameters_by_name(model, names)
     bound: list[BoundTensor] = []
     seen: set[int] = set()
     frozen: list[str] = []
@@ -99,20 +94,40 @@ def bind_anchor(
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
-            numel = math.prod(shape)
-            if piece is not None:  # only the held part of F is read (from the files when the anchor is lazy)
-                held = HeldRange(piece.start, piece.stop, numel)
-                fisher, sharded = read_flat(anchor.fisher, name, piece.start, piece.stop), True
-            elif isinstance(param, DTensor):
-                start, stop = dtensor_flat_range(param) or (None, None)
-                held = HeldRange(start, stop, numel)
-                offsets, lengths, sharded = dtensor_local_block(name, param)
-                fisher = read_block(anchor.fisher, name, offsets, lengths)
-            else:
-                held, sharded, fisher = HeldRange(0, numel, numel), False, anchor.fisher[name]
+            fisher, sharded, held = _held_part(anchor.fisher, name, param, piece, math.prod(shape))
             bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
     if frozen:
         log_on_main_process(
             logger.info, "Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0]
         )
     return bound
+
+
+def _parameters_by_name(
+    model: torch.nn.Module, names: dict[str, torch.Tensor] | None
+) -> tuple[dict[str, torch.Tensor], dict[int, FlatPiece]]:
+    """(every canonical name, tied aliases included, -> the parameter standing there: FSDP1 flat views by their
+    original names, `names` taking precedence; id(tensor) -> its held piece, `parallel.shards.held_pieces`)."""
+    by_name: dict[str, torch.Tensor] = {}
+    for alias, parameter in model.named_parameters(remove_duplicate=False):
+        by_name.setdefault(canonical_name(alias), parameter)
+    flat_views, pieces = held_pieces(model)
+    by_name.update(flat_views)
+    if names:
+        by_name = {**names, **{n: p for n, p in by_name.items() if n not in names}}
+    return by_name, pieces
+
+
+def _held_part(
+    fisher: Mapping[str, torch.Tensor], name: str, param: torch.Tensor, piece: FlatPiece | None, numel: int
+) -> tuple[torch.Tensor, bool, HeldRange]:
+    """(F of the part of parameter `name` this process holds, whether it is sharded, which elements it is): an
+    FSDP1 / ZeRO-3 piece's flat run, a DTensor's local block, else the whole. Only that part of F is read (from
+    the files when the anchor is lazy)."""
+    if piece is not None:
+        return read_flat(fisher, name, piece.start, piece.stop), True, HeldRange(piece.start, piece.stop, numel)
+    if isinstance(param, DTensor):
+        start, stop = dtensor_flat_range(param) or (None, None)
+        offsets, lengths, sharded = dtensor_local_block(name, param)
+        return read_block(fisher, name, offsets, lengths), sharded, HeldRange(start, stop, numel)
+    return fisher[name], False, HeldRange(0, numel, numel)

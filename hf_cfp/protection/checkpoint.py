@@ -44,10 +44,9 @@ def save_theta0(protection: CFPState, checkpoint_dir: str | Path) -> None:
     """Write this process's theta0 pieces into the checkpoint directory (every process calls this)."""
     rank, count = process_rank_and_count()
     tensors, ranges = {}, {}
-    for name, theta0, held, sharded in zip(
-        protection.names, protection.theta0, protection.held, protection.sharded, strict=True
-    ):
-        if not sharded and rank != 0:  # replicated: rank 0 writes it once
+    for tracked in protection.tensors:
+        name, held = tracked.name, tracked.held
+        if not tracked.sharded and rank != 0:  # replicated: rank 0 writes it once
             continue
         if held.start is None or held.stop is None:
             raise CFPError(
@@ -55,7 +54,7 @@ def save_theta0(protection: CFPState, checkpoint_dir: str | Path) -> None:
                 "parameter's elements (a DTensor sharded on a dimension other than the first). Shard "
                 "parameters on dim 0 (FSDP2's default) to checkpoint a protected run."
             )
-        tensors[name] = theta0.detach().reshape(-1).cpu()
+        tensors[name] = tracked.theta0.detach().reshape(-1).cpu()
         ranges[name] = [held.start, held.stop, held.numel]
     metadata = {"format": "pt", RANGES_KEY: json.dumps(ranges)}
     if rank == 0 and protection.adapted:  # LoRA factors are replicated: rank 0 writes their snapshot once

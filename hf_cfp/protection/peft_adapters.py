@@ -33,7 +33,6 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
-from ..names import drift_keys
 from ..ops import DriftView, drift_squares
 from ..ops.lora_correction import LoraFactors
 
@@ -60,6 +59,13 @@ class AdaptedWeight:
             )
             for a in self.adapters
         ]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the LoRA factors live (those of the first active adapter)."""
+        weight = self.layer.lora_B[self.adapters[0]].weight
+        assert isinstance(weight, torch.Tensor)
+        return weight.device
 
     def factors(self) -> list[LoraFactors]:
         """Each active adapter's factors now and at bind, float32."""
@@ -221,18 +227,12 @@ def _supported_layers() -> tuple[type, ...]:
     return (LoraLinear, Linear4bit, Linear8bitLt)
 
 
-def adapted_drift_sq(
-    adapted: list[AdaptedWeight], covered: dict[str, tuple[dict[int, torch.Tensor], float]]
-) -> dict[str, float]:
-    """Sums of squares of the drift metrics over the adapted weights, one weight's Delta_W at a time.
-
-    `covered`: anchor name -> ({index into `adapted`: its F}, free threshold). Returns
-    `cfp/<anchor>/sensitive_drift`: sum F Delta_W^2, `cfp/<anchor>/free_drift`: sum of Delta_W^2 where
-    F <= threshold, and `cfp/total_drift`: sum Delta_W^2 (each weight once), all squared.
+def adapted_drift_sq(adapted: list[AdaptedWeight], views: list[DriftView]) -> torch.Tensor:
+    """The drift sums of squares over the adapted weights' Delta_W, one weight at a time: float64 [1 + 2V] in the
+    order of `ops.drift.drift_squares` (sum Delta_W^2, each weight once, then per view v sum F Delta_W^2 and the sum
+    of Delta_W^2 where F <= threshold), `views[v].fishers[i]` anchor v's F on `adapted[i]` (or None).
     """
-    keys = drift_keys(covered)
-    sums = torch.zeros(len(keys), dtype=torch.float64)
+    sums = torch.zeros(1 + 2 * len(views), dtype=torch.float64)
     for i, weight in enumerate(adapted):
-        views = [DriftView([fishers.get(i)], threshold) for fishers, threshold in covered.values()]
-        sums += drift_squares([weight.displacement()], [None], views)
-    return dict(zip(keys, sums.tolist(), strict=True))
+        sums += drift_squares([weight.displacement()], [None], [DriftView([v.fishers[i]], v.threshold) for v in views])
+    return sums

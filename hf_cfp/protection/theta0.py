@@ -1,16 +1,13 @@
 """Where a bound CFPState's theta0 comes from when it is not the weights now: a reader of saved pieces
 (`checkpoint.SavedTheta0` for a Trainer checkpoint, `Theta0Pieces` for pieces in memory)."""
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ..errors import CFPError
 from .binding import HeldRange
 from .peft_adapters import AdaptedWeight
-
-if TYPE_CHECKING:
-    from .state import CFPState
 
 
 class Theta0Reader(Protocol):
@@ -26,18 +23,13 @@ class Theta0Reader(Protocol):
 
 
 class Theta0Pieces:
-    """theta0 pieces already in memory, by name, as a `Theta0Reader`: those of a bound CFPState (`of`: a CFPState
-    binding other anchors to the same model, a refreshed F, keeps the path's origin, this process's pieces and
-    the LoRA factors at train begin), or those of a `CFP.state_dict` (LoRA factors on the CPU).
-    `source` names where they come from, for errors."""
+    """theta0 pieces already in memory, by name, as a `Theta0Reader`: those of a bound CFPState
+    (`CFPState.theta0_pieces`: a CFPState binding other anchors to the same model, a refreshed F, keeps the path's
+    origin, this process's pieces and the LoRA factors at train begin), or those of a `CFP.state_dict` (LoRA
+    factors on the CPU). `source` names where they come from, for errors."""
 
     def __init__(self, theta0: dict[str, torch.Tensor], snapshots: dict[str, list] | None, source: str):
         self.theta0, self.snapshots, self.source = theta0, snapshots, source
-
-    @classmethod
-    def of(cls, state: "CFPState") -> "Theta0Pieces":
-        snapshots = {weight.name: weight.snapshot for weight in state.adapted}
-        return cls(dict(zip(state.names, state.theta0, strict=True)), snapshots, "the anchors bound before")
 
     def read(self, wanted: list[tuple[str, HeldRange]]) -> dict[str, torch.Tensor]:
         missing = [name for name, _ in wanted if name not in self.theta0]

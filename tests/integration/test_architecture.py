@@ -33,6 +33,11 @@ LAZY_ALLOWED = {"deepspeed", "peft", "matplotlib", "bitsandbytes"}
 MAX_LINES = 350
 LONG_MODULES: dict[str, str] = {}
 
+# Functions (and methods) whose body, docstring excluded, is over MAX_FUNCTION_LINES, with the reason; keyed
+# "module:qualified name", e.g. "hf_cfp.fisher.estimate:estimate_fisher".
+MAX_FUNCTION_LINES = 60
+LONG_FUNCTIONS: dict[str, str] = {}
+
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -166,3 +171,61 @@ def test_modules_stay_small():
         if len(path.read_text().splitlines()) > MAX_LINES and module not in LONG_MODULES
     }
     assert not long, f"modules over {MAX_LINES} lines without a reason in LONG_MODULES: {long}"
+
+
+def body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Lines from the first statement of a function's body after its docstring to the end of its last one
+    (comments and blank lines between them count)."""
+    body = node.body
+    if (
+        isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        body = body[1:]
+    if not body:
+        return 0
+    end = body[-1].end_lineno
+    assert end is not None
+    return end - body[0].lineno + 1
+
+
+def functions(tree: ast.AST, prefix: str = ""):
+    """(qualified name, node) of every function and method in `tree`, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            yield from functions(node, f"{prefix}{node.name}.")
+        else:
+            yield from functions(node, prefix)
+
+
+def test_body_lines_skip_the_docstring_and_count_to_the_last_statement():
+    source = 'def f():\n    """Doc,\n    two lines."""\n    a = 1\n\n    # a comment\n    return a\n'
+    ((name, node),) = functions(ast.parse(source))
+    assert name == "f" and body_lines(node) == 4
+    nested = "class A:\n    def m(self):\n        def inner():\n            pass\n        return inner\n"
+    assert [(n, body_lines(f)) for n, f in functions(ast.parse(nested))] == [("A.m", 3), ("A.m.inner", 1)]
+
+
+def test_functions_stay_short():
+    long = {
+        key: lines
+        for module, path in MODULES.items()
+        for name, node in functions(ast.parse(path.read_text()))
+        if (lines := body_lines(node)) > MAX_FUNCTION_LINES and (key := f"{module}:{name}") not in LONG_FUNCTIONS
+    }
+    assert not long, (
+        f"functions over {MAX_FUNCTION_LINES} lines (docstring excluded) without a reason in LONG_FUNCTIONS: {long}"
+    )
+
+
+def test_long_function_reasons_name_functions_that_exist():
+    existing = {
+        f"{module}:{name}" for module, path in MODULES.items() for name, _ in functions(ast.parse(path.read_text()))
+    }
+    assert set(LONG_FUNCTIONS) <= existing, (
+        f"LONG_FUNCTIONS names functions that do not exist: {set(LONG_FUNCTIONS) - existing}"
+    )

@@ -252,7 +252,7 @@ def test_theta0_saved_by_two_processes_restores_in_one(worker_out, mode):
     theta0 = the initial full weights, exactly."""
     state = restored_in_one_process(worker_out / f"{mode}_resumed")
     initial = initial_params()
-    assert state.names == list(initial) and not any(state.sharded)
+    assert state.names == list(initial) and not any(t.sharded for t in state.tensors)
     assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
 
 

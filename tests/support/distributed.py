@@ -194,10 +194,7 @@ def make_state(model, theta0=None):
 def held_theta0(state):
     """[(name, start, stop, theta0 piece)] of a CFPState: what this process restored or snapshotted,
     with the elements [start, stop) of the flattened full parameter it stands for."""
-    return [
-        (name, held.start, held.stop, t0.detach().reshape(-1).clone())
-        for name, held, t0 in zip(state.names, state.held, state.theta0, strict=True)
-    ]
+    return [(t.name, t.held.start, t.held.stop, t.theta0.detach().reshape(-1).clone()) for t in state.tensors]
 
 
 def initial_params():

@@ -133,7 +133,7 @@ def main(out, one):
         # theta0 and F are kept for this process's partitions only
         saved[f"{tag}_owned"] = (
             sum(t.numel() for t in callback.protection.theta0),
-            sum(f.numel() for f in callback.protection.views["math"][1]),
+            sum(f.numel() for f in callback.protection.views["math"].fisher),
         )
         saved[f"{tag}_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
         saved[f"{tag}_persisted"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())

@@ -92,7 +92,9 @@ def main(out, one):
     cfp = callback.protection
     owned = {  # what this process keeps per parameter: (local numel, F numel, F bytes held, theta0 numel)
         n: (local_tensor(p).numel(), f.numel(), f.untyped_storage().nbytes(), t0.numel())
-        for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0, strict=True)
+        for n, p, f, t0 in zip(
+            callback.anchor.fisher, [t.param for t in cfp.tensors], cfp.views["math"].fisher, cfp.theta0, strict=True
+        )
     }
     results = {
         "ddp_logs": ddp_logs,
@@ -101,7 +103,7 @@ def main(out, one):
         "fsdp2_logs": fsdp_logs,
         "fsdp2_params": fsdp2_params(model),
         "fsdp2_all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
-        "fsdp2_all_sharded": all(cfp.sharded),
+        "fsdp2_all_sharded": all(t.sharded for t in cfp.tensors),
         "fsdp2_owned": owned,
     }
     reads = {"one": Path(one), "fsdp2": Path(out, "fsdp2_resumed")}  # theta0 saved by 1 process, by FSDP2
@@ -198,7 +200,9 @@ def fsdp1_case(rank, world, out, reads):
     cfp = callback.protection
     owned = {
         n: (p.numel(), f.numel(), t0.numel())
-        for n, p, f, t0 in zip(callback.anchor.fisher, cfp.params, cfp.views["math"][1], cfp.theta0, strict=True)
+        for n, p, f, t0 in zip(
+            callback.anchor.fisher, [t.param for t in cfp.tensors], cfp.views["math"].fisher, cfp.theta0, strict=True
+        )
     }
     with FullyShardedDataParallel.summon_full_params(model):
         params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
@@ -210,7 +214,7 @@ def fsdp1_case(rank, world, out, reads):
         n: (f.numel(), t0.numel())
         for n, f, t0 in zip(
             flat_callback.anchor.fisher,
-            flat_callback.protection.views["math"][1],
+            flat_callback.protection.views["math"].fisher,
             flat_callback.protection.theta0,
             strict=True,
         )
@@ -232,12 +236,12 @@ def fsdp1_case(rank, world, out, reads):
         "fsdp1_params": params,
         "fsdp1_active": active,
         "fsdp1_empty": empty,
-        "fsdp1_all_sharded": all(cfp.sharded),
+        "fsdp1_all_sharded": all(t.sharded for t in cfp.tensors),
         "fsdp1_owned": owned,
         "fsdp1flat_logs": flat_logs,
         "fsdp1flat_params": flat_params,
         "fsdp1flat_active": flat_active,
-        "fsdp1flat_all_sharded": all(flat_callback.protection.sharded),
+        "fsdp1flat_all_sharded": all(t.sharded for t in flat_callback.protection.tensors),
         "fsdp1flat_owned": flat_owned,
     }
 

@@ -51,7 +51,7 @@ def main(out, anchor_dir):
     _, results["eager_peak"] = peak_rss_increase(lambda: load_and_bind(False, fsdp2))
     for lazy in (True, False):
         state = CFPState(fsdp2, FisherAnchor.from_pretrained(anchor_dir, lazy=lazy))
-        results[f"{'lazy' if lazy else 'eager'}_threshold"] = state.views["math"][2]
+        results[f"{'lazy' if lazy else 'eager'}_threshold"] = state.views["math"].threshold
     fsdp1 = FullyShardedDataParallel(
         per_rank_model(),
         auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),

@@ -24,7 +24,7 @@ from support.references import ref_sequence_score
 from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import CFPArgumentError, estimate_fisher
-from hf_cfp.fisher.estimate import _scoring_groups
+from hf_cfp.fisher.calibration import scoring_groups
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 
 N_MC = 2000
@@ -606,13 +606,13 @@ def test_scoring_groups_follow_the_token_budget():
     lengths = [(3, 5), (2, 2), (6, 20), (1, 1), (2, 3), (4, 4), (1, 2)]  # (prompt, response) lengths
     prompts = [[1] * p for p, _ in lengths]
     responses = [[2] * r for _, r in lengths]
-    groups = _scoring_groups(prompts, responses, batch_size=3, scoring_tokens=16)
+    groups = scoring_groups(prompts, responses, batch_size=3, scoring_tokens=16)
     assert groups == [slice(0, 2), slice(2, 3), slice(3, 5), slice(5, 7)]
     for group in groups:
         size = group.stop - group.start
         width = max(p + r for p, r in lengths[group])
         assert size == 1 or (size <= 3 and size * width <= 16)
-    assert [slice(0, 3), slice(3, 6), slice(6, 7)] == _scoring_groups(prompts, responses, 3, 10**6)
+    assert [slice(0, 3), slice(3, 6), slice(6, 7)] == scoring_groups(prompts, responses, 3, 10**6)
 
 
 def test_scoring_tokens_do_not_change_the_anchor_beyond_rounding():

@@ -64,8 +64,9 @@ def test_trainer_logs_the_overlap_at_recheck_steps_and_refresh_keeps_theta0(tmp_
         assert logged[step] == expected
     fresh_now = reestimate(anchor, snapshots[4], None, PROMPTS)
     state = callback.protection
-    assert all(torch.equal(row[0], fresh_now.fisher[state.names[i]]) for i, row in state.protected)
-    assert not all(torch.equal(row[0], anchor.fisher[state.names[i]]) for i, row in state.protected)
+    protected = state.diagonal.protected.tensors
+    assert all(torch.equal(t.fisher[state.protecting[0]], fresh_now.fisher[t.name]) for t in protected)
+    assert not all(torch.equal(t.fisher[state.protecting[0]], anchor.fisher[t.name]) for t in protected)
     assert all(torch.equal(t0, theta0[name]) for name, t0 in zip(state.names, state.theta0, strict=True))
 
 

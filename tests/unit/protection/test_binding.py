@@ -25,4 +25,4 @@ def test_frozen_parameters_are_left_alone():
     model = tiny_llama()
     model.model.norm.weight.requires_grad_(False)
     state = CFPState(model, anchor_for(model))
-    assert all(p is not model.model.norm.weight for p in state.params)
+    assert all(p is not model.model.norm.weight for p in (t.param for t in state.tensors))

@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_cfp import FisherAnchor
 from hf_cfp.errors import CFPArgumentError
-from hf_cfp.protection import CFPState, MemoryPlan, Theta0Pieces, describe_sparse
+from hf_cfp.protection import CFPState, MemoryPlan, describe_sparse
 from hf_cfp.protection.sparse import coordinate_threshold, mass_threshold
 
 
@@ -38,7 +38,7 @@ def test_dense_default_keeps_theta0_in_bf16_and_f_in_float32_six_bytes_per_param
     state = CFPState(model, anchor_for(model))
     assert all(t.dtype == torch.bfloat16 for t in state.theta0)
     assert all(torch.equal(t, initial[n]) for n, t in zip(state.names, state.theta0, strict=True))
-    assert all(f.dtype == torch.float32 for f in state.views["math"][1])
+    assert all(f.dtype == torch.float32 for f in state.views["math"].fisher)
     numel = sum(p.numel() for p in model.parameters())
     assert state.footprint() == (6 * numel, 0)
     bf16 = CFPState(model, anchor_for(model), memory=MemoryPlan(fisher_dtype="bfloat16"))
@@ -148,5 +148,5 @@ def test_a_refreshed_state_adopts_the_theta0_tensors_instead_of_copying_them():
     model = bf16_model()
     state = CFPState(model, anchor_for(model))
     nudge(model)
-    again = CFPState(model, anchor_for(model, seed=5), theta0=Theta0Pieces.of(state))
+    again = CFPState(model, anchor_for(model, seed=5), theta0=state.theta0_pieces())
     assert [t.data_ptr() for t in again.theta0] == [t.data_ptr() for t in state.theta0]

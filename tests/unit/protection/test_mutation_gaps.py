@@ -9,7 +9,7 @@ test files need unique basenames in pytest's default import mode). Sections:
   tensors, 2-D included), and the exact error messages. The multi-process tests
   (tests/integration/test_distributed.py) run under torchrun; here `process_rank_and_count` is
   replaced so that one process plays each rank.
-- protection/state.py: drift metrics with sharded tensors, whose sums of squares are all-reduced
+- protection/state.py, diagonal.py: drift metrics with sharded tensors, whose sums of squares are all-reduced
   in float64 (a stand-in all-reduce adds a second process's equal shard sums), and a monitor
   anchor that covers only frozen parameters.
 - ops/drift.py: the free drift refuses lists of different lengths instead of truncating.
@@ -23,6 +23,7 @@ sequences and positions in float64 (small integers, so float32 results are exact
 computed by the library.
 """
 
+import dataclasses
 import json
 import math
 import re
@@ -60,10 +61,12 @@ def protection_of_rank(rank):
     The replicated r comes first, so a rank > 0 must skip it and still write its w piece."""
     start, stop = (0, 5) if rank == 0 else (5, 12)
     return SimpleNamespace(
-        names=["r", "w"],
-        theta0=[R_FULL.clone(), W_FULL[start:stop].clone()],
-        held=[HeldRange(0, 3, 3), HeldRange(start, stop, 12)],
-        sharded=[False, True],
+        tensors=[
+            SimpleNamespace(name="r", theta0=R_FULL.clone(), held=HeldRange(0, 3, 3), sharded=False),
+            SimpleNamespace(
+                name="w", theta0=W_FULL[start:stop].clone(), held=HeldRange(start, stop, 12), sharded=True
+            ),
+        ],
         adapted=[],  # no LoRA-adapted weights (their snapshot: test_peft_adapters.py)
     )
 
@@ -91,9 +94,8 @@ def test_each_rank_writes_its_pieces_with_their_ranges(monkeypatch, tmp_path):
 
 def test_a_rank_holding_only_replicated_parameters_writes_no_file(monkeypatch, tmp_path):
     as_rank(monkeypatch, 1, 2)
-    only_replicated = SimpleNamespace(
-        names=["r"], theta0=[R_FULL], held=[HeldRange(0, 3, 3)], sharded=[False], adapted=[]
-    )
+    replicated = SimpleNamespace(name="r", theta0=R_FULL, held=HeldRange(0, 3, 3), sharded=False)
+    only_replicated = SimpleNamespace(tensors=[replicated], adapted=[])
     save_theta0(only_replicated, tmp_path)
     assert list(tmp_path.iterdir()) == []
     assert not has_saved_theta0(tmp_path)
@@ -184,9 +186,8 @@ def test_no_saved_theta0_is_named(tmp_path):
 
 def test_a_non_contiguous_shard_cannot_be_saved_or_restored(monkeypatch, tmp_path):
     as_rank(monkeypatch, 0, 2)
-    split_later = SimpleNamespace(
-        names=["w"], theta0=[W_FULL[:6]], held=[HeldRange(None, None, 12)], sharded=[True], adapted=[]
-    )
+    piece = SimpleNamespace(name="w", theta0=W_FULL[:6], held=HeldRange(None, None, 12), sharded=True)
+    split_later = SimpleNamespace(tensors=[piece], adapted=[])
     expected_save = (
         "Cannot save theta0 of 'w': this process's shard is not one contiguous run of the parameter's "
         "elements (a DTensor sharded on a dimension other than the first). Shard parameters on dim 0 "
@@ -213,16 +214,22 @@ class ThreeParameters(nn.Module):
         self.c = nn.Parameter(torch.zeros(c))
 
 
-def state_with_deltas(deltas, sharded):
+def state_with_deltas(monkeypatch, deltas, sharded):
     """CFPState over parameters a, b, c with F = 1 everywhere, theta0 = 0, theta = `deltas`, and the
     given parameters marked sharded (as FSDP would bind them)."""
     model = ThreeParameters(*(len(d) for d in deltas))
     anchor = FisherAnchor({n: torch.ones(len(d)) for n, d in zip("abc", deltas, strict=True)}, name="m")
+    bind = state_module.bind_anchor
+
+    def bind_marked(*args, **kwargs):
+        bound = bind(*args, **kwargs)
+        return [dataclasses.replace(t, sharded=s) for t, s in zip(bound, sharded, strict=True)]
+
+    monkeypatch.setattr(state_module, "bind_anchor", bind_marked)
     state = CFPState(model, anchor)
     with torch.no_grad():
         for p, d in zip((model.a, model.b, model.c), deltas, strict=True):
             p.copy_(torch.tensor(d))
-    state.sharded = list(sharded)
     return state
 
 
@@ -254,7 +261,7 @@ def test_replicated_sums_count_once_and_shard_sums_are_all_reduced(monkeypatch):
     calls = second_process_with_equal_shards(monkeypatch)
     # a replicated (sum of squares 1), b and c sharded (4 + 4 = 8 here, 8 on the other process);
     # every tensor's norm is exact in float32
-    state = state_with_deltas([[1.0], [0.0, 2.0], [2.0]], sharded=[False, True, True])
+    state = state_with_deltas(monkeypatch, [[1.0], [0.0, 2.0], [2.0]], sharded=[False, True, True])
     metrics = state.drift_metrics()
     assert calls == [torch.float64]
     expected = math.sqrt(1 + 2 * 8)  # 17; swapping replicated and sharded would give 2 * 1 + 8 = 10
@@ -264,7 +271,7 @@ def test_replicated_sums_count_once_and_shard_sums_are_all_reduced(monkeypatch):
 def test_shard_sums_are_added_in_float64(monkeypatch):
     """Sums of squares 2^24 + 2^24 + 1 per process: exact in float64, 2^25 once rounded to float32."""
     second_process_with_equal_shards(monkeypatch)
-    state = state_with_deltas([[4096.0], [4096.0], [1.0]], sharded=[True, True, True])
+    state = state_with_deltas(monkeypatch, [[4096.0], [4096.0], [1.0]], sharded=[True, True, True])
     metrics = state.drift_metrics()
     expected = math.sqrt(2 * (2**25 + 1))
     assert metrics == all_drifts_equal(expected)
@@ -274,7 +281,7 @@ def test_budget_lams_count_replicated_sums_once_and_all_reduce_shard_sums(monkey
     """F = 1 everywhere, so KL(lam) = K0 / (1 + lam)^2 with K0 = 0.5 (S_replicated + 2 S_shard) when a second
     process holds equal shards: the solved lam lies between the roots of KL = B and KL = 0.99 B."""
     calls = second_process_with_equal_shards(monkeypatch)
-    state = state_with_deltas([[1.0], [0.0, 2.0], [2.0]], sharded=[False, True, True])
+    state = state_with_deltas(monkeypatch, [[1.0], [0.0, 2.0], [2.0]], sharded=[False, True, True])
     k0 = 0.5 * (1 + 2 * 8)
     budget = k0 / 9  # lam* = 2
     (lam,) = state.budget_lams([budget])

@@ -53,7 +53,7 @@ def test_base_anchor_binds_through_peft_names():
     state = CFPState(peft_model, anchor, free_fraction=0.99)
     assert [w.name for w in state.adapted] == ADAPTED
     assert state.names == ["lm_head.weight"]  # the one trained base parameter: its modules_to_save copy
-    assert state.params[0] is peft_model.base_model.model.lm_head.modules_to_save["default"].weight
+    assert state.tensors[0].param is peft_model.base_model.model.lm_head.modules_to_save["default"].weight
     assert [w.name for w, _ in state.adapters.weights] == ADAPTED  # the protecting anchor corrects them
     assert all(v == 0 for v in state.drift_metrics().values())  # nothing moved since bind
 
