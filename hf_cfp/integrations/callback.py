@@ -1,6 +1,6 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (glue over the loop API, `CFP`)."""
 
-from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -8,21 +8,24 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.utils import logging
 
 from ..anchor import FisherAnchor, check_fingerprint
-from ..errors import CFPArgumentError, CFPError, plural
+from ..errors import CFPError, plural
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, peft_view, save_theta0
 from .loop import CFP, anchor_list
+from .options import CALLBACK, LOOP, ProtectionOptions
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
-from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
+from .resolve import PendingAnchor, load_anchor, resolve_anchor
 from .resume import checkpoint_dir, saved_theta0
 from .settings import ProtectionSettings
-from .strength import LamSchedule, first_lr
+from .strength import first_lr
+from .surfaces import takes_options
 from .trace import record_trace
 
 logger = logging.get_logger(__name__)
 
 
+@takes_options(CALLBACK)
 class CFPCallback(TrainerCallback):
     r"""
     A [`~transformers.TrainerCallback`] that keeps training off the parameter directions a capability is
@@ -50,66 +53,6 @@ class CFPCallback(TrainerCallback):
     the adapter can represent it (`lora_rule`); `cfp/<anchor>/adapter_residual` logs the share it missed.
 
     Args:
-        anchor ([`FisherAnchor`], `str` or `os.PathLike`, or a sequence of them):
-            The protecting anchor(s): an anchor, a directory it was saved to, or a Hub reference
-            `org/model@revision:subfolder` (revision and subfolder optional).
-        lam (`float`, sequence of `float` or `Callable[[int], float | Sequence[float]]`, *optional*):
-            The strength lam >= 0 (one per protecting anchor, or one for all), or a schedule `step -> lam` called
-            with the optimizer step just taken (1-based). Defaults to `1.0` unless `kl_budget` is given. Its meaning
-            depends on the Fisher's scale: lam * F_i = 1 halves coordinate i's displacement each step (see the
-            README on choosing lam). The paper uses 1 for PPO and 10 for DPO.
-        kl_budget (`float` or sequence of `float`, *optional*):
-            Instead of lam: a budget in nats (one per protecting anchor, or one for all). At every step lam_t is
-            solved so that the predicted KL 0.5 (theta - theta0)^T F (theta - theta0) stays within the budget,
-            and no harder: the correction is the projection of the optimizer's proposal onto the budget, lam_t = 0
-            while inside it (`hf_cfp.ops.budget`). Full-parameter and PEFT `modules_to_save` training only, not
-            LoRA-adapted weights.
-        scale_lam_with_lr (`bool`, *optional*, defaults to `False`):
-            Multiply lam by the learning rate of each step, eta_t: theta0 + Delta / (1 + eta_t lam F). The pull
-            then follows warmup and decay, and a persistent step eta_t u settles at u / (lam F), independent of
-            the learning rate; lam is on another scale (about 1 / lr times the unscaled one).
-        recheck_every (`int`, *optional*):
-            Every this many optimizer steps, re-estimate each protecting anchor's F at the current weights on
-            `recheck_prompts` with the anchor's own settings and log `cfp/<anchor>/top1_overlap_now`, the share of
-            its top-1% coordinates still in the top 1% (at the next logging step). Costs one `estimate_fisher` of
-            the anchor's size per anchor. Off by default.
-        recheck_prompts (prompts, or `dict` of anchor name -> prompts, *optional*):
-            The anchors' calibration prompts, for `recheck_every`.
-        refresh_fisher (`bool`, *optional*, defaults to `False`):
-            With `recheck_every`: adopt each re-estimated F for the correction and the metrics from then on (theta0
-            is kept, so the path is still pulled toward the initial weights, along the directions sensitive now).
-        monitor (sequence of [`FisherAnchor`], `str` or `os.PathLike`, *optional*, defaults to `()`):
-            Anchors whose drift is logged but not corrected.
-        free_fraction (`float`, *optional*, defaults to `0.99`):
-            Share of coordinates, by smallest F, that `free_drift` runs over.
-        compute_if_missing (prompts, *optional*):
-            Calibration prompts (any form [`estimate_fisher`] takes) used when `anchor` is a reference that does
-            not exist yet: the anchor is estimated at train begin on the model about to be trained.
-        push_if_computed (`bool`, *optional*, defaults to `False`):
-            Push an anchor computed that way to its reference (main process only).
-        estimate_kwargs (`dict`, *optional*):
-            More arguments for [`estimate_fisher`] (`num_sequences`, `max_new_tokens`, ...).
-        strict (`bool`, *optional*, defaults to `True`):
-            An anchor computed for another base model (its stored fingerprint differs from the model's names,
-            shapes, dtypes or sampled weights) raises `AnchorMismatchError`; `False` downgrades that to a warning.
-        restart_path_on_resume (`bool`, *optional*, defaults to `False`):
-            Resuming from a checkpoint that has no saved theta0 (saved without CFP) raises `CFPError`; `True`
-            takes theta0 from the resumed weights instead, so the protected path starts again there.
-        fisher_dtype (`str`, *optional*, defaults to `"float32"`):
-            The dtype F is kept in on the training device: `"float32"`, or `"bfloat16"` (half the bytes; the
-            correction and the metrics still compute in float32). theta0 is kept in the parameters' own dtype.
-        sparse (`float`, *optional*):
-            Correct only the coordinates carrying the top `sparse` share of each protecting anchor's F (of its
-            coordinates, or of its mass with `sparse_by="mass"`); every other coordinate keeps the optimizer's
-            proposal. The full theta0 and F then live in CPU memory for the metrics, which stay exact. About
-            (4 + 2 + 4) x `sparse` bytes per parameter on the device; at train begin one log line reports the
-            mass kept and the largest F dropped. Not with `kl_budget` or DeepSpeed.
-        sparse_by (`str`, *optional*, defaults to `"coordinates"`):
-            What `sparse` is a share of: `"coordinates"` or `"mass"`.
-        lora_rule (`str`, *optional*, defaults to `"proximal_b"`):
-            How a LoRA-adapted weight is corrected (PEFT models only): `"proximal_b"`, the exact proximal step
-            restricted to B (A fixed); `"least_squares_b"`, its unweighted fit; `"factor_space"`, elementwise CFP
-            on B and A with F pulled back through the adapter (cheaper, not exact). See `hf_cfp.ops.lora_correction`.
 
     Example:
 
@@ -122,51 +65,35 @@ class CFPCallback(TrainerCallback):
     ```
     """
 
-    def __init__(
-        self,
-        anchor: AnchorLike | Sequence[AnchorLike],
-        lam: float | Sequence[float] | LamSchedule | None = None,
-        monitor: Sequence[AnchorLike] = (),
-        free_fraction: float = 0.99,
-        compute_if_missing: Any = None,
-        push_if_computed: bool = False,
-        estimate_kwargs: dict[str, Any] | None = None,
-        strict: bool = True,
-        restart_path_on_resume: bool = False,
-        lora_rule: str = "proximal_b",
-        kl_budget: float | Sequence[float] | None = None,
-        scale_lam_with_lr: bool = False,
-        recheck_every: int | None = None,
-        recheck_prompts: Any = None,
-        refresh_fisher: bool = False,
-        fisher_dtype: str = "float32",
-        sparse: float | None = None,
-        sparse_by: str = "coordinates",
-    ):
-        given = anchor_list(anchor)
-        if compute_if_missing is not None and len(given) > 1:
-            raise CFPArgumentError("compute_if_missing estimates one anchor; pass a single protecting anchor with it.")
-        self.anchors = [resolve_anchor(a, compute_if_missing, push_if_computed, estimate_kwargs) for a in given]
-        self.settings = ProtectionSettings.from_arguments(
-            [a.name for a in self.anchors],
-            [load_anchor(m) for m in monitor],
-            lam,
-            kl_budget,
-            scale_lam_with_lr,
-            free_fraction,
-            lora_rule,
-            fisher_dtype,
-            sparse,
-            sparse_by,
-        )
-        self.recheck = AnchorRecheck(recheck_every, recheck_prompts, refresh_fisher, [a.name for a in self.anchors])
-        self.strict = strict
-        self.restart_path_on_resume = restart_path_on_resume
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the signature: CALLBACK's options (takes_options)
+        options = ProtectionOptions.given(CALLBACK, *args, **kwargs)
+        self.options = options
+        self.anchors = [
+            resolve_anchor(a, options.compute_if_missing, options.push_if_computed, options.estimate_kwargs)
+            for a in anchor_list(options.anchor)
+        ]
+        monitors = [load_anchor(m) for m in options.monitor]
+        self.settings = ProtectionSettings.of(options, [a.name for a in self.anchors], monitors)
         self.cfp: CFP | None = None  # bound at train begin
         self._attached = False  # placed before the reporters by `attach`
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
         self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
         self._rechecked: dict[str, float] = {}  # top1_overlap_now values for the next log
+
+    @property
+    def strict(self) -> bool:
+        """Whether an anchor of another base model is an error (else a warning)."""
+        return self.options.strict
+
+    @property
+    def restart_path_on_resume(self) -> bool:
+        """Whether resuming without a saved theta0 restarts the protected path (else an error)."""
+        return self.options.restart_path_on_resume
+
+    @property
+    def recheck(self) -> AnchorRecheck:
+        """When and on which prompts the protecting anchors are re-estimated (`recheck_every`)."""
+        return self.settings.recheck
 
     @property
     def protection(self) -> CFPState | None:
@@ -244,7 +171,8 @@ class CFPCallback(TrainerCallback):
                 for bound in (*anchors, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
-            self.cfp = CFP.bound(model, anchors, self.settings, optimizer, theta0)
+            options = replace(self.options, anchor=anchors, monitor=self.monitors, optimizer=optimizer, theta0=theta0)
+            self.cfp = CFP(model, **options.arguments(LOOP))
             strength = self.settings.strength  # per process: under sharding each describes the coordinates it holds
             logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
             if self.cfp.protection.sparse_report is not None:

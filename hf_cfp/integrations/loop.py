@@ -9,25 +9,24 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..protection import Theta0Pieces
+from .options import LOOP, ProtectionOptions
 from .resolve import AnchorLike, load_anchor
 from .settings import ProtectionSettings
-from .strength import LamSchedule, first_lr
+from .strength import first_lr
+from .surfaces import takes_options
 
 
+@takes_options(LOOP)
 class CFP:
     r"""
-    Cumulative Fisher Protection in a loop you write: bind at construction (theta0 = the model's weights now), call
-    [`~CFP.step`] after every `optimizer.step()` and [`~CFP.metrics`] when you log.
+    Cumulative Fisher Protection in a loop you write: bind at construction (theta0 = the model's weights now, or
+    `theta0`'s), call [`~CFP.step`] after every `optimizer.step()` and [`~CFP.metrics`] when you log.
 
     $$\theta_{t+1} = \theta_0 + \frac{\theta' - \theta_0}{1 + \sum_k \lambda_{k,t} F_k}$$
 
     Args:
-        model: the model being trained (plain, PEFT, or prepared by accelerate).
-        anchor ([`FisherAnchor`], a directory or a Hub reference, or a sequence of them): the protecting anchor(s).
-        lam, kl_budget, scale_lam_with_lr, monitor, free_fraction, lora_rule, fisher_dtype, sparse, sparse_by:
-            as in [`CFPCallback`].
-        optimizer (`torch.optim.Optimizer`, *optional*): the loop's optimizer; needed for `scale_lam_with_lr` (its
-            learning rate) and under DeepSpeed ZeRO (its fp32 master weights).
+        model (`torch.nn.Module`):
+            The model being trained (plain, PEFT, or prepared by accelerate).
 
     Example:
 
@@ -43,50 +42,12 @@ class CFP:
     ```
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        anchor: AnchorLike | Sequence[AnchorLike],
-        lam: float | Sequence[float] | LamSchedule | None = None,
-        kl_budget: float | Sequence[float] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        monitor: Sequence[AnchorLike] = (),
-        free_fraction: float = 0.99,
-        scale_lam_with_lr: bool = False,
-        lora_rule: str = "proximal_b",
-        fisher_dtype: str = "float32",
-        sparse: float | None = None,
-        sparse_by: str = "coordinates",
-    ):
-        anchors = [load_anchor(a) for a in anchor_list(anchor)]
-        settings = ProtectionSettings.from_arguments(
-            [a.name for a in anchors],
-            [load_anchor(m) for m in monitor],
-            lam,
-            kl_budget,
-            scale_lam_with_lr,
-            free_fraction,
-            lora_rule,
-            fisher_dtype,
-            sparse,
-            sparse_by,
-        )
-        self._bind(model, anchors, settings, optimizer, None)
-
-    @classmethod
-    def bound(
-        cls,
-        model: torch.nn.Module,
-        anchors: Sequence[FisherAnchor],
-        settings: ProtectionSettings,
-        optimizer: torch.optim.Optimizer | None,
-        theta0: Any = None,
-    ) -> "CFP":
-        """CFP on validated settings, theta0 from `theta0` (a `Theta0Reader`: a checkpoint's) or the weights now:
-        how `CFPCallback` binds at train begin."""
-        protector = cls.__new__(cls)
-        protector._bind(model, anchors, settings, optimizer, theta0)
-        return protector
+    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:  # then LOOP's options
+        options = ProtectionOptions.given(LOOP, *args, **kwargs)
+        anchors = [load_anchor(a) for a in anchor_list(options.anchor)]
+        monitors = [load_anchor(m) for m in options.monitor]
+        settings = ProtectionSettings.of(options, [a.name for a in anchors], monitors)
+        self._bind(model, anchors, settings, options.optimizer, options.theta0)
 
     def _bind(self, model, anchors, settings: ProtectionSettings, optimizer, theta0) -> None:
         self.anchors, self.settings, self.optimizer = list(anchors), settings, optimizer

@@ -15,23 +15,29 @@ from ..names import TOP1_OVERLAP_NOW
 class AnchorRecheck:
     """When and on which prompts to re-estimate the protecting anchors, and whether to adopt the result."""
 
-    def __init__(self, every: int | None, prompts: Any, refresh: bool, anchor_names: list[str]):
+    def __init__(self, *, every: int | None, prompts: Any, refresh: bool, anchor_names: list[str], prefix: str = ""):
+        """Validated for protecting anchors named `anchor_names`; messages name the options `prefix` + name
+        (`settings.ProtectionSettings.of`)."""
         if every is None:
             if prompts is not None or refresh:
-                raise CFPArgumentError("recheck_prompts and refresh_fisher need recheck_every (optimizer steps).")
+                raise CFPArgumentError(
+                    f"{prefix}recheck_prompts and {prefix}refresh_fisher need {prefix}recheck_every (optimizer steps)."
+                )
         elif isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise CFPArgumentError(f"recheck_every must be an integer >= 1 (optimizer steps), got {every!r}.")
+            raise CFPArgumentError(f"{prefix}recheck_every must be an integer >= 1 (optimizer steps), got {every!r}.")
         elif prompts is None:
-            raise CFPArgumentError("recheck_every needs recheck_prompts: the anchors' calibration prompts.")
+            raise CFPArgumentError(
+                f"{prefix}recheck_every needs {prefix}recheck_prompts: the anchors' calibration prompts."
+            )
         by_name = dict(prompts) if isinstance(prompts, Mapping) else None
         if every is not None and by_name is None and len(anchor_names) > 1:
             raise CFPArgumentError(
-                f"With several protecting anchors {anchor_names}, recheck_prompts maps each anchor name to its "
-                "calibration prompts."
+                f"With several protecting anchors {anchor_names}, {prefix}recheck_prompts maps each anchor name to "
+                "its calibration prompts."
             )
         if by_name is not None and set(by_name) != set(anchor_names):
             raise CFPArgumentError(
-                f"recheck_prompts names {sorted(by_name)}; the protecting anchors are {anchor_names}."
+                f"{prefix}recheck_prompts names {sorted(by_name)}; the protecting anchors are {anchor_names}."
             )
         self.every = every
         self.prompts = by_name if by_name is not None else dict.fromkeys(anchor_names, prompts)

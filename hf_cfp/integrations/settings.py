@@ -1,5 +1,5 @@
-"""How CFP protects, validated once: the settings `CFP` (the loop API) and `CFPCallback` share, and the binding of
-anchors to a model under them."""
+"""How CFP protects, validated once: the options of `CFP` (the loop API), `CFPCallback` and `CFPConfig` as
+`ProtectionSettings`, and the binding of anchors to a model under them."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,55 +11,79 @@ from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError
 from ..ops.lora_correction import LORA_RULES
 from ..protection import CFPState, MemoryPlan
+from .options import ProtectionOptions
+from .recheck import AnchorRecheck
 from .strength import Strength
 
 
 @dataclass(frozen=True)
 class ProtectionSettings:
-    """The monitor anchors, the strength (lam_t per protecting anchor), the memory plan, the free-drift share and
-    the LoRA rule of one protected run."""
+    """The monitor anchors, the strength (lam_t per protecting anchor), the memory plan, the free-drift share, the
+    LoRA rule and the recheck (when to re-estimate the anchors: `CFPCallback`'s; never for `CFP`) of one protected
+    run: its options, validated."""
 
     monitors: tuple[FisherAnchor, ...]
     strength: Strength
     memory: MemoryPlan
     free_fraction: float
     lora_rule: str
+    recheck: AnchorRecheck
 
     @classmethod
-    def from_arguments(
+    def of(
         cls,
+        options: ProtectionOptions,
         anchor_names: Sequence[str],
         monitors: Sequence[FisherAnchor],
-        lam: Any,
-        kl_budget: Any,
-        scale_lam_with_lr: bool,
-        free_fraction: float,
-        lora_rule: str,
-        fisher_dtype: str,
-        sparse: float | None,
-        sparse_by: str,
+        prefix: str = "",
     ) -> "ProtectionSettings":
-        """Validate the user's arguments (as `CFP` and `CFPCallback` take them) for protecting anchors named
-        `anchor_names`.
+        """Validate `options` for protecting anchors named `anchor_names` and the (loaded) `monitors`; each message
+        names an option as `prefix` + its name: `""` for `CFP` and `CFPCallback`, `"cfp_"` for `CFPConfig`'s keys
+        (which pass the anchors' references as their names, before they load).
 
         Raises:
-            CFPArgumentError: no protecting anchor, names not unique, free_fraction outside (0, 1), an unknown
-                lora_rule, sparse with kl_budget, or a bad lam / kl_budget / memory plan.
+            CFPArgumentError: no protecting anchor, names not unique, compute_if_missing with several anchors or
+                push_if_computed without it, sparse with kl_budget, free_fraction outside (0, 1), an unknown
+                lora_rule, or a bad lam / kl_budget / memory plan / recheck.
         """
-        if not anchor_names:
-            raise CFPArgumentError("CFP needs at least one protecting anchor.")
-        names = [*anchor_names, *(m.name for m in monitors)]
-        if len(set(names)) != len(names):
-            raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
-        strength = Strength.from_arguments(lam, kl_budget, scale_lam_with_lr, len(anchor_names))
-        memory = MemoryPlan(fisher_dtype, sparse, sparse_by)
-        if memory.sparse is not None and kl_budget is not None:
-            raise CFPArgumentError("kl_budget sums over every protected coordinate: use it without sparse.")
-        if not 0 < free_fraction < 1:
-            raise CFPArgumentError(f"free_fraction must be in (0, 1), got {free_fraction!r}; the paper uses 0.99.")
-        if lora_rule not in LORA_RULES:
-            raise CFPArgumentError(f"lora_rule must be one of {sorted(LORA_RULES)}, got {lora_rule!r}.")
-        return cls(tuple(monitors), strength, memory, free_fraction, lora_rule)
+        _check_anchors(options, anchor_names, [m.name for m in monitors], prefix)
+        strength = Strength.from_arguments(
+            lam=options.lam,
+            kl_budget=options.kl_budget,
+            scale_with_lr=options.scale_lam_with_lr,
+            num_anchors=len(anchor_names),
+            prefix=prefix,
+        )
+        memory = MemoryPlan(
+            fisher_dtype=options.fisher_dtype, sparse=options.sparse, sparse_by=options.sparse_by, prefix=prefix
+        )
+        if memory.sparse is not None and options.kl_budget is not None:
+            raise CFPArgumentError(
+                f"{prefix}kl_budget sums over every protected coordinate: use it without {prefix}sparse."
+            )
+        if not 0 < options.free_fraction < 1:
+            raise CFPArgumentError(
+                f"{prefix}free_fraction must be in (0, 1), got {options.free_fraction!r}; the paper uses 0.99."
+            )
+        if options.lora_rule not in LORA_RULES:
+            raise CFPArgumentError(
+                f"{prefix}lora_rule must be one of {sorted(LORA_RULES)}, got {options.lora_rule!r}."
+            )
+        recheck = AnchorRecheck(
+            every=options.recheck_every,
+            prompts=options.recheck_prompts,
+            refresh=options.refresh_fisher,
+            anchor_names=list(anchor_names),
+            prefix=prefix,
+        )
+        return cls(
+            monitors=tuple(monitors),
+            strength=strength,
+            memory=memory,
+            free_fraction=options.free_fraction,
+            lora_rule=options.lora_rule,
+            recheck=recheck,
+        )
 
     def bind(
         self,
@@ -83,3 +107,26 @@ class ProtectionSettings:
                 "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
             )
         return protection
+
+
+def _check_anchors(
+    options: ProtectionOptions, anchor_names: Sequence[str], monitor_names: Sequence[str], prefix: str
+) -> None:
+    """At least one protecting anchor, unique names, and compute_if_missing (with push_if_computed) for one."""
+    if not anchor_names:
+        raise CFPArgumentError(
+            f"{prefix}anchor is required: the protecting anchor(s), each a FisherAnchor, a directory saved by "
+            "FisherAnchor.save_pretrained (e.g. `hf-cfp estimate --output anchors/math`, then ./anchors/math) "
+            "or a Hub reference org/model[@revision][:subfolder]."
+        )
+    names = [*anchor_names, *monitor_names]
+    if len(set(names)) != len(names):
+        raise CFPArgumentError(f"Anchor names must be unique (they key the metrics), got {names}.")
+    if options.compute_if_missing is not None and len(anchor_names) > 1:
+        raise CFPArgumentError(
+            f"{prefix}compute_if_missing estimates one anchor; pass a single protecting anchor with it."
+        )
+    if options.push_if_computed and options.compute_if_missing is None:
+        raise CFPArgumentError(
+            f"{prefix}push_if_computed needs {prefix}compute_if_missing (the prompts to estimate from)."
+        )

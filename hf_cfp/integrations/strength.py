@@ -9,7 +9,7 @@ from typing import Any
 from ..errors import CFPArgumentError
 from ..protection import CFPState, describe_sparse
 
-LamSchedule = Callable[[int], "float | Sequence[float]"]
+LamSchedule = Callable[[int], float | Sequence[float]]
 
 
 @dataclass(frozen=True)
@@ -30,19 +30,27 @@ class Strength:
     num_anchors: int
 
     @classmethod
-    def from_arguments(cls, lam: Any, kl_budget: Any, scale_with_lr: bool, num_anchors: int) -> "Strength":
+    def from_arguments(
+        cls, *, lam: Any, kl_budget: Any, scale_with_lr: bool, num_anchors: int, prefix: str = ""
+    ) -> "Strength":
+        """The strength of `lam` or `kl_budget` for `num_anchors` protecting anchors; messages name the options
+        `prefix` + name (`settings.ProtectionSettings.of`)."""
         if lam is not None and kl_budget is not None:
             raise CFPArgumentError(
-                "Pass lam or kl_budget, not both: kl_budget chooses lam_t at every step to keep the predicted KL "
-                "within the budget."
+                f"Pass {prefix}lam or {prefix}kl_budget, not both: kl_budget chooses lam_t at every step to keep the "
+                "predicted KL within the budget."
             )
         if kl_budget is not None:
             if scale_with_lr:
-                raise CFPArgumentError("scale_lam_with_lr applies to lam; kl_budget already sets lam_t every step.")
-            return cls((), _per_anchor(kl_budget, num_anchors, "kl_budget", positive=True), False, num_anchors)
+                raise CFPArgumentError(
+                    f"{prefix}scale_lam_with_lr applies to {prefix}lam; {prefix}kl_budget already sets lam_t every "
+                    "step."
+                )
+            budget = _per_anchor(kl_budget, num_anchors, f"{prefix}kl_budget", positive=True)
+            return cls((), budget, False, num_anchors)
         if lam is None:
             lam = 1.0
-        fixed = lam if callable(lam) else _per_anchor(lam, num_anchors, "lam", positive=False)
+        fixed = lam if callable(lam) else _per_anchor(lam, num_anchors, f"{prefix}lam", positive=False)
         return cls(fixed, None, scale_with_lr, num_anchors)
 
     def lams(self, step: int, learning_rate: float | None, protection: CFPState) -> list[float]:

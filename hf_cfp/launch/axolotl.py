@@ -8,7 +8,6 @@ against Axolotl 0.19's own `BasePlugin`, `load_plugin`, `DictDefault` and config
 whole Axolotl run: Axolotl 0.19 pins transformers 5.16.1 and trl 1.9.0, older than this project's test stack.
 """
 
-import dataclasses
 from typing import Any
 
 from axolotl.integrations.base import BasePlugin
@@ -16,9 +15,7 @@ from pydantic import BaseModel, create_model, model_validator
 
 from ..errors import CFPArgumentError
 from ..integrations import CFPCallback
-from .config import CFPConfig
-
-CFP_KEYS = [f.name for f in dataclasses.fields(CFPConfig)]
+from .config import CONFIG_KEYS, CFPConfig
 
 
 class _CFPKeys(BaseModel):
@@ -27,7 +24,7 @@ class _CFPKeys(BaseModel):
     def cfp_config(self) -> CFPConfig | None:
         """The `CFPConfig` of the given `cfp_*` keys (absent ones take CFPConfig's defaults); None without
         `cfp_anchor`."""
-        given = {key: value for key in CFP_KEYS if (value := getattr(self, key, None)) is not None}
+        given = {key: value for key in CONFIG_KEYS if (value := getattr(self, key, None)) is not None}
         return CFPConfig(**given) if given.get("cfp_anchor") else None
 
     @model_validator(mode="after")
@@ -37,7 +34,7 @@ class _CFPKeys(BaseModel):
 
 
 # The cfp_* keys for Axolotl's (pydantic) config schema: each optional, typed and checked by CFPConfig
-CFPArgs = create_model("CFPArgs", __base__=_CFPKeys, **{key: (Any, None) for key in CFP_KEYS})  # type: ignore[call-overload]
+CFPArgs = create_model("CFPArgs", __base__=_CFPKeys, **{key: (Any, None) for key in CONFIG_KEYS})  # type: ignore[call-overload]
 
 
 class CFPPlugin(BasePlugin):
@@ -58,7 +55,7 @@ class CFPPlugin(BasePlugin):
             CFPArgumentError: no `cfp_anchor`, or a value CFPConfig refuses (naming the key).
             CFPError: an anchor that cannot be loaded.
         """
-        config = CFPArgs(**{key: cfg.get(key) for key in CFP_KEYS}).cfp_config()
+        config = CFPArgs(**{key: cfg.get(key) for key in CONFIG_KEYS}).cfp_config()
         if config is None:
             raise CFPArgumentError(
                 "CFPPlugin is in the Axolotl config's plugins but cfp_anchor is not set: add "

@@ -1,236 +1,47 @@
-"""CFPConfig: the `cfp_*` options of config-driven training, read by TRL's parser from YAML and the command line,
-checked when built, and turned into the `CFPCallback` they describe."""
+"""CFPConfig: the `cfp_*` options of config-driven training, one key per option of the declaration
+(`hf_cfp.integrations.options`) that CFPConfig takes, read by TRL's parser from YAML and the command line, checked
+when built, and turned into the `CFPCallback` they describe."""
 
-import contextlib
-import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..anchor.hub import looks_like_local_path, parse_reference
 from ..demo.bundled import CALIBRATION_SETS, load_prompts
 from ..errors import AnchorValidationError, CFPArgumentError
 from ..integrations import CFPCallback
-from ..integrations.recheck import AnchorRecheck
-from ..integrations.strength import Strength
-from ..ops.lora_correction import LORA_RULES
-from ..protection import MemoryPlan
+from ..integrations.loop import anchor_list
+from ..integrations.options import (
+    ANCHORS,
+    CALLBACK,
+    CONFIG,
+    CONFIG_PREFIX,
+    NUMBERS,
+    PROMPTS,
+    VALUE,
+    ProtectionOptions,
+    options_on,
+)
+from ..integrations.settings import ProtectionSettings
+from ..integrations.surfaces import argument_head, shown_type, with_arguments
 
+CONFIG_KEYS = [CONFIG_PREFIX + option.name for option in options_on(CONFIG)]  # CFPConfig's fields, Axolotl's keys
 PROMPT_SOURCES = f"a bundled calibration set ({', '.join(CALIBRATION_SETS)}) or a .jsonl/.json/.txt file of prompts"
 
+Config = TypeVar("Config")
 
-@dataclass
-class CFPConfig:
-    r"""
-    Configuration of Cumulative Fisher Protection for config-driven training (`hf-cfp train {sft,dpo,grpo}`).
 
-    Each field is a [`CFPCallback`] argument with a `cfp_` prefix, so that it never collides with the keys of TRL's
-    configs: [`~trl.TrlParser`] and [`~transformers.HfArgumentParser`] read it from a YAML file (`cfp_lam: 10.0`) or
-    the command line (`--cfp_lam 10.0`; lists as `--cfp_anchor a b`). The values are checked when the config is
-    built (`__post_init__`), before any model is loaded; [`~CFPConfig.build_callback`] makes the callback.
-
-    Args:
-        cfp_anchor (`str` or `list[str]`):
-            The protecting anchor(s): directories written by `FisherAnchor.save_pretrained` (write local paths as
-            `./anchors/math` or absolute) or Hub references `org/model[@revision][:subfolder]`. Required.
-        cfp_lam (`float` or `list[float]`, *optional*):
-            The strength lam >= 0: one for every protecting anchor, or one per anchor. Defaults to 1.0 unless
-            `cfp_kl_budget` is given. Each step theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k).
-        cfp_kl_budget (`float` or `list[float]`, *optional*):
-            Instead of `cfp_lam`: a budget in nats (> 0) on the predicted KL 0.5 Delta^T F Delta; lam_t is solved at
-            every step to hold it.
-        cfp_scale_lam_with_lr (`bool`, *optional*, defaults to `False`):
-            Multiply lam by each step's learning rate.
-        cfp_monitor (`list[str]`, *optional*):
-            Anchors (directories or Hub references) whose drift is logged but not corrected.
-        cfp_free_fraction (`float`, *optional*, defaults to `0.99`):
-            Share of coordinates, by smallest F, that `cfp/<anchor>/free_drift` runs over; in (0, 1).
-        cfp_fisher_dtype (`str`, *optional*, defaults to `"float32"`):
-            The dtype F is kept in on the device: `"float32"` or `"bfloat16"`.
-        cfp_sparse (`float`, *optional*):
-            Correct only the top `cfp_sparse` share (in (0, 1)) of each anchor's F.
-        cfp_sparse_by (`str`, *optional*, defaults to `"coordinates"`):
-            What `cfp_sparse` is a share of: `"coordinates"` or `"mass"`.
-        cfp_lora_rule (`str`, *optional*, defaults to `"proximal_b"`):
-            How LoRA-adapted weights are corrected (`--use_peft`): `"proximal_b"`, `"least_squares_b"` or
-            `"factor_space"`.
-        cfp_strict (`bool`, *optional*, defaults to `True`):
-            An anchor computed for another base model raises an error; `False` (`--no_cfp_strict`) only warns.
-        cfp_restart_path_on_resume (`bool`, *optional*, defaults to `False`):
-            Resuming from a checkpoint without saved theta0 restarts the protected path instead of raising.
-        cfp_compute_if_missing (`str`, *optional*):
-            Calibration prompts (`PROMPT_SOURCES`) to estimate the anchor from at train begin when `cfp_anchor` (one
-            Hub reference) does not exist yet.
-        cfp_push_if_computed (`bool`, *optional*, defaults to `False`):
-            Push an anchor computed that way to its Hub reference.
-        cfp_recheck_every (`int`, *optional*):
-            Every this many optimizer steps, re-estimate F on `cfp_recheck_prompts` and log
-            `cfp/<anchor>/top1_overlap_now`.
-        cfp_recheck_prompts (`str`, *optional*):
-            The calibration prompts for `cfp_recheck_every` (`PROMPT_SOURCES`).
-        cfp_refresh_fisher (`bool`, *optional*, defaults to `False`):
-            With `cfp_recheck_every`: adopt each re-estimated F from then on.
-
-    Raises:
-        CFPArgumentError: a value out of range, a missing `cfp_anchor`, an anchor directory or prompt file that does
-            not exist; the message names the `cfp_` field.
-
-    Example:
-
-    ```yaml
-    # cfg.yaml, for `hf-cfp train dpo --config cfg.yaml --cfp_lam 20`
-    model_name_or_path: smollm2-135m
-    dataset_name: hf_cfp/demo/data/pirate_preferences.jsonl
-    cfp_anchor: ./anchors/math
-    cfp_lam: 10.0
-    ```
-    """
-
-    cfp_anchor: list[str] | None = field(
-        default=None,
-        metadata={"help": "Protecting anchor(s): ./local/dir or Hub reference org/model[@revision][:subfolder]."},
-    )
-    cfp_lam: list[float] | None = field(
-        default=None,
-        metadata={"help": "Strength lam >= 0, one for all anchors or one per anchor (default 1.0 without kl_budget)."},
-    )
-    cfp_kl_budget: list[float] | None = field(
-        default=None,
-        metadata={"help": "Instead of cfp_lam: predicted-KL budget in nats (> 0), lam_t solved every step."},
-    )
-    cfp_scale_lam_with_lr: bool = field(
-        default=False, metadata={"help": "Multiply lam by the learning rate of each step."}
-    )
-    cfp_monitor: list[str] | None = field(
-        default=None, metadata={"help": "Anchors whose drift is logged but not corrected."}
-    )
-    cfp_free_fraction: float = field(
-        default=0.99, metadata={"help": "Share of coordinates, by smallest F, that free_drift covers; in (0, 1)."}
-    )
-    cfp_fisher_dtype: str = field(
-        default="float32", metadata={"help": "dtype F is kept in on the device: float32 or bfloat16."}
-    )
-    cfp_sparse: float | None = field(
-        default=None, metadata={"help": "Correct only the top share (in (0, 1)) of each anchor's F."}
-    )
-    cfp_sparse_by: str = field(
-        default="coordinates", metadata={"help": "What cfp_sparse is a share of: coordinates or mass."}
-    )
-    cfp_lora_rule: str = field(
-        default="proximal_b",
-        metadata={"help": f"Correction of LoRA-adapted weights: one of {', '.join(sorted(LORA_RULES))}."},
-    )
-    cfp_strict: bool = field(
-        default=True, metadata={"help": "An anchor of another base model is an error (--no_cfp_strict: a warning)."}
-    )
-    cfp_restart_path_on_resume: bool = field(
-        default=False, metadata={"help": "Resuming from a checkpoint without saved theta0 restarts the path."}
-    )
-    cfp_compute_if_missing: str | None = field(
-        default=None, metadata={"help": f"Estimate a missing anchor at train begin from {PROMPT_SOURCES}."}
-    )
-    cfp_push_if_computed: bool = field(
-        default=False, metadata={"help": "Push an anchor computed at train begin to its Hub reference."}
-    )
-    cfp_recheck_every: int | None = field(
-        default=None, metadata={"help": "Re-estimate F every this many optimizer steps (logs top1_overlap_now)."}
-    )
-    cfp_recheck_prompts: str | None = field(
-        default=None, metadata={"help": f"Prompts for cfp_recheck_every: {PROMPT_SOURCES}."}
-    )
-    cfp_refresh_fisher: bool = field(
-        default=False, metadata={"help": "With cfp_recheck_every: adopt each re-estimated F."}
-    )
-
-    def __post_init__(self) -> None:
-        self.cfp_anchor = _as_list(self.cfp_anchor)
-        self.cfp_monitor = _as_list(self.cfp_monitor)
-        self.cfp_lam = _as_list(self.cfp_lam)
-        self.cfp_kl_budget = _as_list(self.cfp_kl_budget)
-        if not self.cfp_anchor:
-            raise CFPArgumentError(
-                "cfp_anchor is required: the protecting anchor(s), each a directory saved by "
-                "FisherAnchor.save_pretrained (e.g. `hf-cfp estimate --output anchors/math`, then "
-                "`cfp_anchor: ./anchors/math`) or a Hub reference org/model[@revision][:subfolder]."
-            )
-        for reference in self.cfp_anchor:
-            _check_reference("cfp_anchor", reference)
-        for reference in self.cfp_monitor or ():
-            _check_reference("cfp_monitor", reference)
-        self._check_strength()
-        if not 0 < self.cfp_free_fraction < 1:
-            raise CFPArgumentError(
-                f"cfp_free_fraction must be in (0, 1), got {self.cfp_free_fraction!r}; the paper uses 0.99."
-            )
-        if self.cfp_lora_rule not in LORA_RULES:
-            raise CFPArgumentError(f"cfp_lora_rule must be one of {sorted(LORA_RULES)}, got {self.cfp_lora_rule!r}.")
-        with _naming_fields():
-            MemoryPlan(self.cfp_fisher_dtype, self.cfp_sparse, self.cfp_sparse_by)
-        self._prompts("cfp_compute_if_missing", self.cfp_compute_if_missing)
-        with _naming_fields():  # anchor names are known once loaded: the references stand in for them here
-            AnchorRecheck(
-                self.cfp_recheck_every,
-                self._prompts("cfp_recheck_prompts", self.cfp_recheck_prompts),
-                self.cfp_refresh_fisher,
-                list(self.cfp_anchor),
-            )
-        if self.cfp_push_if_computed and self.cfp_compute_if_missing is None:
-            raise CFPArgumentError("cfp_push_if_computed needs cfp_compute_if_missing (the prompts to estimate from).")
-
-    def build_callback(self) -> CFPCallback:
-        """The [`CFPCallback`] these fields describe. Anchors given by reference are loaded here (lazily: headers
-        and metadata only), so a missing Hub anchor or a corrupt directory fails before any model is loaded.
-
-        Returns:
-            [`CFPCallback`]: the callback to pass to the trainer (`callbacks=[...]`).
-
-        Raises:
-            CFPError: an anchor that cannot be loaded, or arguments the callback refuses together.
-        """
-        lam, kl_budget = self._strength_arguments()
-        with _naming_fields():  # what only shows together with the anchors, e.g. compute_if_missing with two
-            return CFPCallback(
-                list(self.cfp_anchor or ()),
-                lam=lam,
-                monitor=self.cfp_monitor or (),
-                free_fraction=self.cfp_free_fraction,
-                compute_if_missing=self._prompts("cfp_compute_if_missing", self.cfp_compute_if_missing),
-                push_if_computed=self.cfp_push_if_computed,
-                strict=self.cfp_strict,
-                restart_path_on_resume=self.cfp_restart_path_on_resume,
-                lora_rule=self.cfp_lora_rule,
-                kl_budget=kl_budget,
-                scale_lam_with_lr=self.cfp_scale_lam_with_lr,
-                recheck_every=self.cfp_recheck_every,
-                recheck_prompts=self._prompts("cfp_recheck_prompts", self.cfp_recheck_prompts),
-                refresh_fisher=self.cfp_refresh_fisher,
-                fisher_dtype=self.cfp_fisher_dtype,
-                sparse=self.cfp_sparse,
-                sparse_by=self.cfp_sparse_by,
-            )
-
-    def _strength_arguments(self) -> tuple[Any, Any]:
-        """(lam, kl_budget) as CFPCallback takes them: one value stands for every protecting anchor."""
-        return _one_or_all(self.cfp_lam), _one_or_all(self.cfp_kl_budget)
-
-    def _check_strength(self) -> None:
-        """lam or kl_budget, checked with the callback's own rules."""
-        lam, kl_budget = self._strength_arguments()
-        with _naming_fields():
-            Strength.from_arguments(lam, kl_budget, self.cfp_scale_lam_with_lr, len(self.cfp_anchor or ()))
-
-    @staticmethod
-    def _prompts(field_name: str, source: str | None) -> list | None:
-        """The prompts `source` names (None stays None), or CFPArgumentError naming `field_name`."""
-        if source is None:
-            return None
-        try:
-            return load_prompts(source)
-        except (CFPArgumentError, OSError, ValueError, KeyError) as error:
-            raise CFPArgumentError(
-                f"{field_name}: cannot read prompts from {source!r} ({error}); give {PROMPT_SOURCES}."
-            ) from None
+def _read_prompts(key: str, source: str | None) -> list | None:
+    """The prompts `source` names (None stays None), or CFPArgumentError naming `key`."""
+    if source is None:
+        return None
+    try:
+        return load_prompts(source)
+    except (CFPArgumentError, OSError, ValueError, KeyError) as error:
+        raise CFPArgumentError(
+            f"{key}: cannot read prompts from {source!r} ({error}); give {PROMPT_SOURCES}."
+        ) from None
 
 
 def _as_list(value: Any) -> list | None:
@@ -238,10 +49,6 @@ def _as_list(value: Any) -> list | None:
     if value is None:
         return None
     return list(value) if isinstance(value, (list, tuple)) else [value]
-
-
-def _one_or_all(values: list | None) -> Any:
-    return values[0] if values is not None and len(values) == 1 else values
 
 
 def _check_reference(field_name: str, reference: Any) -> None:
@@ -266,17 +73,121 @@ def _check_reference(field_name: str, reference: Any) -> None:
         ) from None
 
 
-@contextlib.contextmanager
-def _naming_fields() -> Iterator[None]:
-    """Re-raise the callback's own argument errors with the field names: "lam must be ..." -> "cfp_lam must be
-    ..." (each argument name in the message gets the `cfp_` prefix)."""
-    try:
-        yield
-    except CFPArgumentError as error:
-        raise CFPArgumentError(_CALLBACK_ARGUMENT.sub(r"cfp_\1", str(error))) from None
+@dataclass(frozen=True)
+class KeyForm:
+    """How a `cfp_` key holds an option of one form (`options.VALUE`, `ANCHORS`, `NUMBERS`, `PROMPTS`): the key's
+    type for TRL's parser (None: the option's own type and default; else the default is None), the type as the
+    docstring shows it (None: the option's), what the key's help adds, whether one value stands for a list of one
+    (YAML and Python may give one value where the command line gives a list), and `read(key, value)`: the
+    option's value from the key's."""
+
+    type: Any
+    shown_type: str | None
+    note: str
+    listed: bool
+    read: Callable[[str, Any], Any]
 
 
-_CALLBACK_ARGUMENT = re.compile(
-    r"\b(lam|kl_budget|scale_lam_with_lr|fisher_dtype|sparse|sparse_by|recheck_every|recheck_prompts|refresh_fisher"
-    r"|compute_if_missing|push_if_computed)\b"
-)
+KEY_FORMS = {
+    VALUE: KeyForm(None, None, "", False, lambda key, value: value),
+    ANCHORS: KeyForm(
+        list[str] | None,
+        "`str` or `list[str]`",
+        "From YAML or the command line: directories (write local paths as `./anchors/math` or absolute) or Hub "
+        "references `org/model[@revision][:subfolder]`.",
+        True,
+        lambda key, value: tuple(value or ()),
+    ),
+    NUMBERS: KeyForm(
+        list[float] | None,
+        "`float` or `list[float]`",
+        "From YAML or the command line: one number for every protecting anchor, or a list of one per anchor.",
+        True,
+        lambda key, values: values[0] if values is not None and len(values) == 1 else values,
+    ),
+    PROMPTS: KeyForm(str | None, "`str`", f"From YAML or the command line: {PROMPT_SOURCES}.", False, _read_prompts),
+}
+
+
+def _with_cfp_keys(cls: type[Config]) -> type[Config]:
+    """`cls` as a dataclass with one field `cfp_<name>` per option that CFPConfig takes, typed and defaulted as its
+    form holds it (TRL's parser reads both from the field), its help the option's and the form's note (what
+    `--help` shows), and each in the docstring's `Args:`."""
+    cls.__annotations__ = {}
+    entries = []
+    for option in options_on(CONFIG):
+        form, key = KEY_FORMS[option.metadata["form"]], CONFIG_PREFIX + option.name
+        default = option.default if form.type is None else None
+        text = " ".join(part for part in (option.metadata["help"], form.note) if part)
+        cls.__annotations__[key] = form.type or option.type
+        setattr(cls, key, field(default=default, metadata={"help": text.replace("%", "%%")}))  # argparse's % format
+        required = option.default is MISSING
+        head = argument_head(key, form.shown_type or shown_type(option), MISSING if required else default)
+        entries.append((head, text + (" Required." if required else "")))
+    cls.__doc__ = with_arguments(cls.__doc__, entries)
+    return dataclass(cls)
+
+
+@_with_cfp_keys
+class CFPConfig:
+    r"""
+    Configuration of Cumulative Fisher Protection for config-driven training (`hf-cfp train {sft,dpo,grpo}`).
+
+    Each field is a [`CFPCallback`] argument with a `cfp_` prefix, so that it never collides with the keys of TRL's
+    configs: [`~trl.TrlParser`] and [`~transformers.HfArgumentParser`] read it from a YAML file (`cfp_lam: 10.0`) or
+    the command line (`--cfp_lam 10.0`; lists as `--cfp_anchor a b`). The fields are written from the option
+    declaration (`hf_cfp.integrations.options.ProtectionOptions`), each option's key holding it in its form: anchor
+    references, numbers (one or one per anchor), a prompt source, or the value itself. The values are checked when
+    the config is built (`__post_init__`), by the callback's own rules with the keys' names, before any model is
+    loaded; [`~CFPConfig.build_callback`] makes the callback.
+
+    Args:
+
+    Raises:
+        CFPArgumentError: a value out of range, a missing `cfp_anchor`, an anchor directory or prompt file that does
+            not exist; the message names the `cfp_` field.
+
+    Example:
+
+    ```yaml
+    # cfg.yaml, for `hf-cfp train dpo --config cfg.yaml --cfp_lam 20`
+    model_name_or_path: smollm2-135m
+    dataset_name: hf_cfp/demo/data/pirate_preferences.jsonl
+    cfp_anchor: ./anchors/math
+    cfp_lam: 10.0
+    ```
+    """
+
+    def __post_init__(self) -> None:
+        for option in options_on(CONFIG):
+            key = CONFIG_PREFIX + option.name
+            if KEY_FORMS[option.metadata["form"]].listed:
+                setattr(self, key, _as_list(getattr(self, key)))
+            if option.metadata["form"] == ANCHORS:
+                for reference in getattr(self, key) or ():
+                    _check_reference(key, reference)
+        options = self.protection_options()
+        # the callback's own rules; the anchors' references stand in for their names until they load
+        ProtectionSettings.of(options, [str(r) for r in anchor_list(options.anchor)], (), CONFIG_PREFIX)
+
+    def protection_options(self) -> ProtectionOptions:
+        """The options these keys give (each read in its form: prompt sources loaded, one number for all anchors),
+        the others at their defaults.
+
+        Raises:
+            CFPArgumentError: a prompt source that cannot be read (naming its key).
+        """
+        keys = {o.name: (KEY_FORMS[o.metadata["form"]], CONFIG_PREFIX + o.name) for o in options_on(CONFIG)}
+        return ProtectionOptions(**{name: form.read(key, getattr(self, key)) for name, (form, key) in keys.items()})
+
+    def build_callback(self) -> CFPCallback:
+        """The [`CFPCallback`] these fields describe. Anchors given by reference are loaded here (lazily: headers
+        and metadata only), so a missing Hub anchor or a corrupt directory fails before any model is loaded.
+
+        Returns:
+            [`CFPCallback`]: the callback to pass to the trainer (`callbacks=[...]`).
+
+        Raises:
+            CFPError: an anchor that cannot be loaded, or anchor names that are not unique.
+        """
+        return CFPCallback(**self.protection_options().arguments(CALLBACK))

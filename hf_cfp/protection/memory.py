@@ -11,7 +11,7 @@ theta0 is a copy of the parameter in its own dtype (exact: a bf16 weight's theta
 pull w = P / (1 + P) is recomputed from F at each step, a chunk at a time, not cached at full size.
 """
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -34,21 +34,26 @@ class MemoryPlan:
             the model is on a GPU), so the drift metrics stay exact.
         sparse_by: `"coordinates"`, `sparse` is the share of coordinates kept (those with the largest F); or
             `"mass"`, the share of F's total mass kept (the fewest coordinates holding it).
+        prefix: put before each argument's name in the error messages (`"cfp_"` names the YAML keys), not kept.
     """
 
     fisher_dtype: str = "float32"
     sparse: float | None = None
     sparse_by: str = "coordinates"
+    prefix: InitVar[str] = ""
 
-    def __post_init__(self):
+    def __post_init__(self, prefix: str) -> None:
         if self.fisher_dtype not in FISHER_DTYPES:
-            raise CFPArgumentError(f"fisher_dtype must be one of {sorted(FISHER_DTYPES)}, got {self.fisher_dtype!r}.")
+            raise CFPArgumentError(
+                f"{prefix}fisher_dtype must be one of {sorted(FISHER_DTYPES)}, got {self.fisher_dtype!r}."
+            )
         if self.sparse is not None and not (isinstance(self.sparse, (int, float)) and 0 < self.sparse < 1):
             raise CFPArgumentError(
-                f"sparse must be None (dense) or a share in (0, 1), e.g. 0.01 for the top 1%, got {self.sparse!r}."
+                f"{prefix}sparse must be None (dense) or a share in (0, 1), e.g. 0.01 for the top 1%, got "
+                f"{self.sparse!r}."
             )
         if self.sparse_by not in SPARSE_BY:
-            raise CFPArgumentError(f"sparse_by must be one of {list(SPARSE_BY)}, got {self.sparse_by!r}.")
+            raise CFPArgumentError(f"{prefix}sparse_by must be one of {list(SPARSE_BY)}, got {self.sparse_by!r}.")
 
     @property
     def offloaded(self) -> bool:

@@ -9,6 +9,7 @@ from trl import TrlParser
 from hf_cfp import CFPArgumentError, CFPConfig, FisherAnchor
 from hf_cfp.demo.bundled import calibration_prompts
 from hf_cfp.integrations.resolve import PendingAnchor
+from hf_cfp.launch.config import CONFIG_KEYS
 
 
 @pytest.fixture
@@ -101,9 +102,17 @@ BAD = [
 ]
 
 
-def test_what_shows_only_with_the_anchors_is_named_when_the_callback_is_built(anchors):
-    config = CFPConfig(cfp_anchor=[anchors["math"], anchors["code"]], cfp_compute_if_missing="math")
+def test_compute_if_missing_with_two_anchors_is_named_when_the_config_is_built(anchors):
+    """The callback's own rule (it estimates one anchor), checked with the keys' names before any anchor loads."""
     with pytest.raises(CFPArgumentError, match="cfp_compute_if_missing estimates one anchor"):
+        CFPConfig(cfp_anchor=[anchors["math"], anchors["code"]], cfp_compute_if_missing="math")
+
+
+def test_what_shows_only_with_the_anchors_is_refused_when_the_callback_is_built(anchors, tmp_path):
+    """Two directories holding anchors of one name: the references differ, the loaded names do not."""
+    anchor_for(tiny_llama(), name="math", seed=5).save_pretrained(tmp_path / "other")
+    config = CFPConfig(cfp_anchor=anchors["math"], cfp_monitor=[str(tmp_path / "other")])
+    with pytest.raises(CFPArgumentError, match=r"Anchor names must be unique .*\['math', 'math'\]"):
         config.build_callback()
 
 
@@ -126,3 +135,13 @@ def test_a_hub_reference_is_loaded_when_the_callback_is_built_or_computed_if_mis
     prompts.write_text("two plus three\nwhat is five\n")
     pending = CFPConfig(cfp_anchor="org/base:cfp/code", cfp_compute_if_missing=str(prompts)).build_callback().anchor
     assert isinstance(pending, PendingAnchor) and pending.prompts == ["two plus three", "what is five"]
+
+
+def test_the_train_commands_help_lists_every_cfp_key_with_the_declared_help():
+    from hf_cfp.launch.train import make_parser
+
+    text = " ".join(make_parser("dpo").format_help().split())  # argparse formats help with %: escaped once
+    for key in CONFIG_KEYS:
+        assert f"--{key}" in text, key
+    assert "the share of its top-1% coordinates still in the top 1%" in text
+    assert "Share of coordinates, by smallest F, that `free_drift` runs over; in (0, 1). (default: 0.99)" in text
