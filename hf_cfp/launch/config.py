@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from ..anchor.hub import looks_like_local_path, parse_reference
-from ..demo.bundled import CALIBRATION_SETS, load_prompts
 from ..errors import AnchorValidationError, CFPArgumentError
 from ..integrations import CFPCallback
 from ..integrations.recheck import AnchorRecheck
 from ..integrations.strength import Strength
+from ..loading.prompts import CALIBRATION_SETS, load_prompts
 from ..ops.lora_correction import LORA_RULES
 from ..protection import MemoryPlan
 
@@ -81,7 +81,7 @@ class CFPConfig:
     ```yaml
     # cfg.yaml, for `hf-cfp train dpo --config cfg.yaml --cfp_lam 20`
     model_name_or_path: smollm2-135m
-    dataset_name: hf_cfp/demo/data/pirate_preferences.jsonl
+    dataset_name: hf_cfp/loading/data/pirate_preferences.jsonl
     cfp_anchor: ./anchors/math
     cfp_lam: 10.0
     ```

@@ -16,9 +16,9 @@ from support.references import drift_reference
 from hf_cfp import FisherAnchor, kl_to_base
 from hf_cfp.demo import run_demo
 from hf_cfp.demo.capability import held_out_math
-from hf_cfp.demo.models import tiny_llama
 from hf_cfp.demo.run import LORA_TARGETS
 from hf_cfp.evaluation import greedy_exact_match, reference_log_likelihood
+from hf_cfp.loading.models import tiny_llama
 
 KEY = "cfp/math/sensitive_drift"
 

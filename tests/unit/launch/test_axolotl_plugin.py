@@ -26,7 +26,7 @@ def axolotl_config(tmp_path):
     PluginManager.get_instance().register(PLUGIN)
     return {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",  # a name only: nothing is loaded
-        "datasets": [{"path": "hf_cfp/demo/data/pirate_style.jsonl", "type": "alpaca"}],
+        "datasets": [{"path": "hf_cfp/loading/data/pirate_style.jsonl", "type": "alpaca"}],
         "micro_batch_size": 2,
         "gradient_accumulation_steps": 1,
         "learning_rate": 1e-4,

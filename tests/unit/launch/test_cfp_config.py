@@ -7,8 +7,8 @@ from support.tiny import anchor_for, tiny_llama
 from trl import TrlParser
 
 from hf_cfp import CFPArgumentError, CFPConfig, FisherAnchor
-from hf_cfp.demo.bundled import calibration_prompts
 from hf_cfp.integrations.resolve import PendingAnchor
+from hf_cfp.loading.prompts import calibration_prompts
 
 
 @pytest.fixture

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 import torch
+from evidence.measure import CapabilityProbe
+from evidence.plan import DOMAINS, TINY
+from evidence.run import tiny_model_and_tokenizer
 from support.references import train_a_little
-
-from hf_cfp.evidence.measure import CapabilityProbe
-from hf_cfp.evidence.plan import DOMAINS, TINY
-from hf_cfp.evidence.run import tiny_model_and_tokenizer
 
 
 def sequence_log_prob(model, tokenizer, prompt: str, answer: str) -> tuple[float, int]:

@@ -11,8 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from hf_cfp.evidence.plan import TINY
+from evidence.plan import TINY
 
 pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
 

@@ -5,8 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from hf_cfp.evidence.run import read_results
+from evidence.run import read_results
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "budget_table.py"
 

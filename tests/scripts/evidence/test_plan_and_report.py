@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm
+from evidence.report import capability_table, drift_table, frontier_points, row_label
+from evidence.run import pooled
 
 from hf_cfp import FisherAnchor
-from hf_cfp.evidence.plan import DOMAINS, EMBEDDED, TINY, Arm
-from hf_cfp.evidence.report import capability_table, drift_table, frontier_points, row_label
-from hf_cfp.evidence.run import pooled
 
 
 def test_every_arm_is_unique_and_later_seeds_repeat_only_the_table_rows():
