@@ -21,7 +21,7 @@ def public_checkpoint(args: TrainingArguments | None, state: TrainerState) -> st
     `train(resume_from_checkpoint=...)` alone reaches no callback (`reporting.find_trainer_call` reads it)."""
     explicit = getattr(args, "resume_from_checkpoint", None)  # a loop may pass no TrainingArguments
     candidates = [explicit if isinstance(explicit, (str, os.PathLike)) else None]
-    if getattr(args, "output_dir", None):
+    if args is not None and getattr(args, "output_dir", None):
         candidates.append(checkpoint_dir(args, state))
     return next((os.fspath(c) for c in candidates if c is not None and os.path.isdir(c)), None)
 

@@ -40,6 +40,13 @@ from ..ops.lora_correction import LoraFactors
 if TYPE_CHECKING:  # peft's types, for type checkers only (peft is imported once a PeftModel exists)
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    PeftClasses = tuple[
+        type[LoraLayer], type[ModulesToSaveWrapper], type[BaseTunerLayer], type[AuxiliaryTrainingWrapper]
+    ]
 
 
 @dataclass(eq=False)
@@ -127,7 +134,7 @@ def find_peft_model(model: torch.nn.Module) -> "PeftModel | None":
 
 
 @functools.cache
-def _peft_classes() -> tuple[type, type, type, type]:
+def _peft_classes() -> "PeftClasses":
     """(LoraLayer, ModulesToSaveWrapper, BaseTunerLayer, AuxiliaryTrainingWrapper): the PEFT modules `_walk`
     recognizes, imported once, after a PeftModel was found."""
     from peft.tuners.lora import LoraLayer  # optional (the `peft` extra): reached only once a PeftModel exists

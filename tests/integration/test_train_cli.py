@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from support.extras import needs
 from support.references import drift_reference
 from support.tensorboard import read_scalars
 from support.tiny import accelerate_launch, anchor_for, tiny_llama, tiny_tokenizer
 
-from hf_cfp import CFPArgumentError, FisherAnchor
-from hf_cfp.anchor.fingerprint import model_fingerprint
-from hf_cfp.cli import main
-from hf_cfp.launch.train import parse_train_arguments, train_main
+needs("trl", "datasets")
+
+from hf_cfp import CFPArgumentError, FisherAnchor  # noqa: E402
+from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
+from hf_cfp.cli import main  # noqa: E402
+from hf_cfp.launch.train import parse_train_arguments, train_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

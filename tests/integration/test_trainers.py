@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from support.anchors import random_anchor
+from support.extras import requires
 from support.references import ReferenceCFP
 from support.tensorboard import read_scalars
 from support.tiny import tiny_llama, tiny_tokenizer
@@ -308,6 +309,7 @@ def _run_dpo(tmp_path, tokenizer, tag, callbacks=(), report_to="none"):
     return trainer, model, theta0
 
 
+@requires("trl", "datasets")
 def test_dpo_trainer_correction_acts_and_metrics_logged(tmp_path, monkeypatch):
     tokenizer = tiny_tokenizer()
     probe = tiny_llama(vocab_size=len(tokenizer), hidden_size=16, seed=0)
@@ -364,6 +366,7 @@ def _reward_letters(completions, **kwargs):
     return [float(c.count("e")) + 0.1 * len(c) for c in completions]
 
 
+@requires("trl", "datasets")
 def test_grpo_trainer_logs_metrics_to_tensorboard(tmp_path, monkeypatch):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer

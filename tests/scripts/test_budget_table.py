@@ -5,7 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
-from evidence.run import read_results
+from support.extras import needs
+
+needs("trl", "datasets")
+
+from evidence.run import read_results  # noqa: E402
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "budget_table.py"
 

@@ -11,7 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from evidence.plan import TINY
+from support.extras import needs
+
+needs("trl", "datasets")
+
+from evidence.plan import TINY  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
 

@@ -6,11 +6,15 @@ import math
 
 import pytest
 import torch
-from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm
-from evidence.report import capability_table, drift_table, frontier_points, row_label
-from evidence.run import pooled
+from support.extras import needs
 
-from hf_cfp import FisherAnchor
+needs("trl", "datasets")
+
+from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm  # noqa: E402
+from evidence.report import capability_table, drift_table, frontier_points, row_label  # noqa: E402
+from evidence.run import pooled  # noqa: E402
+
+from hf_cfp import FisherAnchor  # noqa: E402
 
 
 def test_every_arm_is_unique_and_later_seeds_repeat_only_the_table_rows():
