@@ -1,4 +1,6 @@
-"""Dependency noise a user can do nothing about, silenced when hf_cfp is imported (torch-free).
+"""Dependency noise a user can do nothing about, silenced while an `hf-cfp` command runs (`known_noise_silenced`,
+which `hf_cfp.cli.main` enters), and only then: importing hf_cfp touches no logger and no warning filter, and a
+script of one's own keeps every library's defaults.
 
 - DeepSpeed: accelerate and transformers import it whenever it is installed (to recognize its engine when
   unwrapping a model), and on a machine without a GPU its import logs "Setting accelerator to CPU. If you have
@@ -8,14 +10,14 @@
   gemm_4bit_forward from kernels-community: No module named 'kernels'..." (the `kernels` package would download
   a kernel from the Hub) and then uses its own bundled kernel. Dropped.
 - TRL's DPO trainer reads `model.is_gradient_checkpointing`, which transformers 5 deprecates with a FutureWarning
-  at every step: ignored while an `hf-cfp` command runs (`silence_known_warnings`), where the user cannot change
-  TRL's code; a script of one's own keeps Python's defaults.
+  at every step, where the user cannot change TRL's code: ignored.
 """
 
+import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 class KnownNote(logging.Filter):
@@ -39,20 +41,26 @@ KNOWN_NOTES = {
     "bitsandbytes.backends.cpu.ops": KnownNote("Failed to load CPU gemm_4bit_forward from kernels-community"),
 }
 
-
-def silence_known_notes() -> None:
-    """Install each of `KNOWN_NOTES` on its logger, once."""
-    for logger_name, note in KNOWN_NOTES.items():
-        logger = logging.getLogger(logger_name)
-        if note not in logger.filters:
-            logger.addFilter(note)
-
-
 # FutureWarnings that dependencies trigger in each other, as a message regex
 KNOWN_WARNINGS = [r"`is_gradient_checkpointing` is deprecated"]
 
 
-def silence_known_warnings() -> None:
-    """Ignore each of `KNOWN_WARNINGS` (FutureWarning) in this process: called by the `hf-cfp` commands."""
-    for message in KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+@contextlib.contextmanager
+def known_noise_silenced() -> Iterator[None]:
+    """While the block runs, each of `KNOWN_NOTES` filters its logger and each of `KNOWN_WARNINGS` (FutureWarning)
+    is ignored; on the way out, however the block ends, the filters come off again and `warnings.filters` is
+    restored as it was (`warnings.catch_warnings`)."""
+    added = []
+    for logger_name, note in KNOWN_NOTES.items():
+        logger = logging.getLogger(logger_name)
+        if note not in logger.filters:
+            logger.addFilter(note)
+            added.append((logger, note))
+    try:
+        with warnings.catch_warnings():
+            for message in KNOWN_WARNINGS:
+                warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+            yield
+    finally:
+        for logger, note in added:
+            logger.removeFilter(note)

@@ -37,9 +37,9 @@ SIZES = {"tiny": (32, 128, 2), "small": (128, 512, 4)}  # hidden size, vocabular
 
 
 def build(model_name: str):
-    from hf_cfp.demo.bundled import calibration_prompts
-    from hf_cfp.demo.models import EMBEDDED, load_causal_lm, tiny_llama
     from hf_cfp.fisher.prompts import to_token_ids
+    from hf_cfp.loading.models import EMBEDDED, load_causal_lm, tiny_llama
+    from hf_cfp.loading.prompts import calibration_prompts
 
     if model_name in SIZES:  # random Llamas: tiny as in the tests (hidden 32), small (hidden 128)
         hidden, vocab, layers = SIZES[model_name]

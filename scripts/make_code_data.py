@@ -1,4 +1,4 @@
-"""Write the bundled code capability (hf_cfp/demo/data/code.jsonl, code_eval.jsonl) from HumanEval.
+"""Write the bundled code capability (hf_cfp/loading/data/code.jsonl, code_eval.jsonl) from HumanEval.
 
 python scripts/make_code_data.py path/to/HumanEval.jsonl.gz
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 INSTRUCTION = "Complete this Python function. Reply with the code only.\n\n"
 KEPT, CALIBRATION = 56, 32
-DATA = Path(__file__).resolve().parents[1] / "hf_cfp" / "demo" / "data"
+DATA = Path(__file__).resolve().parents[1] / "hf_cfp" / "loading" / "data"
 
 
 def task_number(problem: dict) -> int:

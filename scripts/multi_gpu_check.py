@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_cfp import CFPCallback, FisherAnchor
-from hf_cfp.demo.models import tiny_llama
+from hf_cfp.loading.models import tiny_llama
 
 LAM, STEPS = 10.0, 8
 

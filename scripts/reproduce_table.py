@@ -7,7 +7,7 @@ Rows are methods (unregularized, KL control, CFP with the math / code / safety a
 isotropic), columns are domains; each arm is trained with SFT and with DPO (TRL) from the same weights,
 and measured on held-out capability prompts (kl_to_base, scores) and on the task. Results, tables
 (`evidence.md`) and the frontier plot (`frontier.png`) go to --output-dir; an interrupted run resumes.
-What each arm is and how it is measured: `hf_cfp/evidence/` (plan.py, training.py, measure.py).
+What each arm is and how it is measured: `scripts/evidence/` (plan.py, training.py, measure.py).
 """
 
 import argparse
@@ -15,12 +15,12 @@ import os
 from pathlib import Path
 
 import datasets
+from evidence.plan import EMBEDDED as EMBEDDED_PLAN
+from evidence.plan import TINY
+from evidence.report import markdown_report, plot_frontiers
+from evidence.run import read_results, run_experiment
 
-from hf_cfp.demo.models import EMBEDDED
-from hf_cfp.evidence.plan import EMBEDDED as EMBEDDED_PLAN
-from hf_cfp.evidence.plan import TINY
-from hf_cfp.evidence.report import markdown_report, plot_frontiers
-from hf_cfp.evidence.run import read_results, run_experiment
+from hf_cfp.loading.models import EMBEDDED
 
 
 def main(argv=None) -> None:

@@ -23,7 +23,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 
 from hf_cfp import CFPCallback, FisherAnchor
-from hf_cfp.demo.models import tiny_llama
+from hf_cfp.loading.models import tiny_llama
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 import torch
 
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
-from ..resident import peak_rss_increase
 
 TOP_FRACTIONS = (("0.1%", 0.001), ("1%", 0.01), ("5%", 0.05))  # the top sets reported by inspect and compare
 
@@ -60,13 +59,3 @@ def module_type_shares(fisher: Mapping[str, torch.Tensor]) -> list[dict]:
     total = sum(mass for mass, _ in masses.values()) or 1.0
     kinds = sorted(masses, key=lambda k: -masses[k][0])
     return [{"type": k, "share": masses[k][0] / total, "count": masses[k][1]} for k in kinds]
-
-
-def statistics_peak_vs_anchor(fisher: Mapping[str, torch.Tensor]) -> float:
-    """(A + P) / A for A = the bytes of the tensors of `fisher` (numel x element size, already resident) and
-    P = the rise of the process's peak resident set while `fisher_statistics(fisher)` runs
-    (`resident.peak_rss_increase`): the statistics' peak memory in units of the anchor's own size.
-    Call it in a fresh process that holds the anchor and little else (Linux)."""
-    size = sum(t.numel() * t.element_size() for t in fisher.values())
-    _, peak = peak_rss_increase(lambda: fisher_statistics(fisher))
-    return (size + max(peak, 0)) / size

@@ -3,18 +3,19 @@
 import torch
 
 from ..anchor import FisherAnchor
-from ..demo.bundled import load_pairs
-from ..demo.models import load_causal_lm
-from ..demo.run import sft_examples
 from ..fisher.diagnostics import diagnose_anchors
+from ..loading.examples import sft_examples
+from ..loading.models import load_causal_lm
+from ..loading.prompts import load_pairs
 from .model_source import check_model_source
 
 
 def run(args) -> None:
-    """Check the model path and read the pairs and anchors, then load the model and print one report per
-    anchor (`fisher.diagnostics.diagnose_anchors`: one gradient for all of them)."""
-    check_model_source(args.model)
+    """Read the pairs, check the model path (its check may need an installed extra, so after the cheap one) and
+    read the anchors, then load the model and print one report per anchor (`fisher.diagnostics.diagnose_anchors`:
+    one gradient for all of them)."""
     pairs = load_pairs(args.data)[: args.num_examples]
+    check_model_source(args.model)
     anchors = [FisherAnchor.from_pretrained(ref, local_files_only=args.offline) for ref in args.anchor]
     model, tokenizer = load_causal_lm(args.model)
     rows = sft_examples(tokenizer, pairs)

@@ -1,18 +1,19 @@
 """`hf-cfp estimate`: estimate a Fisher anchor on a model's own samples and save it.
 
 Every argument and input file is checked before the model loads (`checks`, the sampler's and the anchor
-name's own validation, the prompts read); under `accelerate launch` each process estimates its share of the
-sequences and the main process saves.
+name's own validation, the prompts read), and those cheap checks before `--model`'s, which needs the embedded
+model's package (the `demo` extra) when it names `smollm2-135m`; under `accelerate launch` each process
+estimates its share of the sequences and the main process saves.
 """
 
 from accelerate import PartialState
 
 from ..anchor import validate_anchor_name
-from ..demo.bundled import load_prompts
-from ..demo.models import load_causal_lm
 from ..errors import AnchorValidationError, CFPArgumentError
 from ..fisher import estimate_fisher
 from ..fisher.sampling import Sampler
+from ..loading.models import load_causal_lm
+from ..loading.prompts import load_prompts
 from .checks import check_output_directory
 from .model_source import check_model_source
 
@@ -20,13 +21,13 @@ from .model_source import check_model_source
 def run(args) -> None:
     """Check the arguments, load the model, estimate, save to `--output` and print the anchor's scale."""
     check_output_directory(args.output, "--output")
-    check_model_source(args.model)
     try:
         validate_anchor_name(args.name)
     except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
         raise CFPArgumentError(f"--name: {error}") from None
     Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
     prompts = load_prompts(args.prompts)
+    check_model_source(args.model)  # last: the embedded model's check needs an installed extra
     state = PartialState()  # joins the process group under `accelerate launch` / torchrun
     model, tokenizer = load_causal_lm(args.model)
     model.to(state.device)

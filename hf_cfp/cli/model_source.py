@@ -2,8 +2,8 @@
 
 import os
 
-from ..demo.models import EMBEDDED, embedded_model_file
 from ..errors import CFPArgumentError
+from ..loading.models import EMBEDDED, embedded_model_file
 
 
 def check_model_source(model: str, flag: str = "--model") -> None:

@@ -1,13 +1,14 @@
 """The `hf-cfp` argument parser: every command, its options and their types, and nothing that loads torch.
 
-Each command names its handler as "module:function" inside `hf_cfp.cli` (`handler` default); `main` imports
-that module only when the command runs, so `hf-cfp --help` stays fast. Argument errors print two lines
+Each command names its handler as "module:function" inside `hf_cfp.cli` (`handler` default) and the optional
+packages it cannot run without (`needs`, default none); `main` checks those, then imports that module, only when
+the command runs, so `hf-cfp --help` stays fast. Argument errors print two lines
 (what is wrong, where to read the options) and exit with `EXIT_USAGE`.
 """
 
 import argparse
 
-from ..demo.bundled import CALIBRATION_SETS
+from ..loading.prompts import CALIBRATION_SETS
 from .failures import EXIT_USAGE
 
 ANCHOR_REFERENCE = "anchor directory, or Hub reference org/model[@revision][:subfolder]"
@@ -203,4 +204,4 @@ def _add_train(commands, debug) -> None:
     train.add_argument(
         "arguments", nargs=argparse.REMAINDER, help="sft, dpo or grpo, then --config cfg.yaml and --key value"
     )
-    train.set_defaults(handler="train:run")
+    train.set_defaults(handler="train:run", needs=("trl", "datasets"))  # the `trl` extra

@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..evaluation import draw_base_responses, greedy_exact_match, reference_log_likelihood
-from .bundled import math_eval_items
+from ..loading.prompts import math_eval_items
 
 # 64 greedy tokens: SmolLM2-135M explains before it answers; with 16 even the base scored 0 of 24 (cut off)
 KL_PROMPTS, KL_SAMPLES, KL_MAX_NEW_TOKENS, EM_MAX_NEW_TOKENS = 8, 2, 32, 64

@@ -28,40 +28,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
 from tqdm.auto import tqdm
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from ..fisher import estimate_fisher
+from ..imports import require
 from ..integrations import CFPCallback
+from ..loading.examples import sft_examples
+from ..loading.models import EMBEDDED, load_causal_lm, tiny_llama
+from ..loading.prompts import calibration_prompts, pirate_style_pairs
 from ..names import ADAPTER_RESIDUAL, FREE_DRIFT, SENSITIVE_DRIFT, TOTAL_DRIFT
-from .bundled import calibration_prompts, pirate_style_pairs
 from .capability import report_capability
-from .models import EMBEDDED, load_causal_lm, tiny_llama
 from .plot import save_drift_plot
 
 STAGES = 5
-
-
-def sft_examples(tokenizer, pairs) -> list[dict]:
-    """Chat-formatted (prompt, response) pairs, padded to one length; loss on response tokens only."""
-    rows = []
-    for prompt, response in pairs:
-        messages = [{"role": "user", "content": prompt}]
-        context = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer(context, add_special_tokens=False)["input_ids"]
-        answer_ids = tokenizer(response + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        rows.append((prompt_ids + answer_ids, [-100] * len(prompt_ids) + answer_ids))
-    width = max(len(ids) for ids, _ in rows)
-    pad = tokenizer.pad_token_id
-    return [
-        {
-            "input_ids": torch.tensor(ids + [pad] * (width - len(ids))),
-            "attention_mask": torch.tensor([1] * len(ids) + [0] * (width - len(ids))),
-            "labels": torch.tensor(labels + [-100] * (width - len(labels))),
-        }
-        for ids, labels in rows
-    ]
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,6 +49,8 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 def _lora_copy(model):
     """A PeftModel with fresh LoRA adapters (r = 16, alpha = 32) on a copy of `model`: one LoRA arm."""
+    from peft import LoraConfig, get_peft_model  # optional (the `peft` extra): only `--peft` needs it
+
     config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
     return get_peft_model(copy.deepcopy(model), config)
 
@@ -155,7 +137,13 @@ def run_demo(
     """Run both arms and report; returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
     arm), "models" (the trained model of each arm: a PeftModel with `peft`) and "capability" (the held-out
     math measurements of `report_capability` for "base", "plain" and "cfp"). The tiny demo runs on one
-    torch thread (restored after)."""
+    torch thread (restored after).
+
+    Raises:
+        CFPError: `peft=True` without peft installed (the `peft` or `demo` extra), before anything runs.
+    """
+    if peft:
+        require("hf-cfp demo --peft", "peft")
     with torch_threads(1 if tiny else None):
         return _run(tiny, steps, num_sequences, max_new_tokens, lam, Path(output_dir), peft, learning_rate)
 

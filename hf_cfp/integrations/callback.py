@@ -16,11 +16,11 @@ from .options import CALLBACK, LOOP, ProtectionOptions
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 from .resolve import PendingAnchor, load_anchor, resolve_anchor
-from .resume import checkpoint_dir, saved_theta0
+from .resume import checkpoint_dir, public_checkpoint, saved_theta0
 from .settings import ProtectionSettings
 from .strength import first_lr
 from .surfaces import takes_options
-from .trace import record_trace
+from .trace import tag_model, write_provenance
 
 logger = logging.get_logger(__name__)
 
@@ -158,14 +158,16 @@ class CFPCallback(TrainerCallback):
             for a in self.anchors
         ]
         anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # none pending any more
-        call = find_trainer_call(self)
+        resumed_from = public_checkpoint(args, state) if state.global_step > 0 else None
+        # the stack walk, only for what no argument of this event tells (`reporting.find_trainer_call`)
+        needs_walk = not self._attached or (state.global_step > 0 and resumed_from is None)
+        call = find_trainer_call(self) if needs_walk else None
         if self.cfp is None or self.cfp.protection.model is not model:  # first train(), or another model
             refuse_unsupported_layout(model, args, optimizer)
             theta0 = None
             if state.global_step > 0:  # resumed: the original theta0 comes from the checkpoint
-                theta0 = saved_theta0(
-                    args, state, call.resume_from_checkpoint if call else None, self.restart_path_on_resume
-                )
+                resumed_from = resumed_from or (call.resume_from_checkpoint if call else None)
+                theta0 = saved_theta0(args, state, resumed_from, self.restart_path_on_resume)
             else:
                 view = peft_view(model)  # a PeftModel is checked through its base model's names and weights
                 for bound in (*anchors, *self.monitors):
@@ -177,7 +179,7 @@ class CFPCallback(TrainerCallback):
             logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
             if self.cfp.protection.sparse_report is not None:
                 logger.info(strength.describe_sparse(self.cfp.protection))
-            record_trace(model, anchors, strength.as_trace())
+            tag_model(model, anchors)  # the Hub card's tags (`trace`)
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
@@ -230,8 +232,16 @@ class CFPCallback(TrainerCallback):
             save_theta0(self.protection, checkpoint_dir(args, state))
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        if self.cfp is not None:  # the final drift, in the config saved with the trained model
-            record_trace(kwargs["model"], self.anchors, self.settings.strength.as_trace(), self.cfp.metrics())  # type: ignore[arg-type]
+        """Write `cfp_provenance.json` into `args.output_dir` (main process): the anchors, the strength and the
+        final drift metrics, beside the model `trainer.save_model()` saves there by default and in what
+        `Trainer.push_to_hub` uploads (`trace.write_provenance`). The model's config is not touched."""
+        if self.cfp is None:
+            return
+        metrics = self.cfp.metrics()  # on every process: sums over sharded parameters are all-reduced
+        output_dir = getattr(args, "output_dir", None)  # a plain loop may pass no TrainingArguments
+        if output_dir and state.is_world_process_zero:
+            anchors: list[FisherAnchor] = self.anchors  # type: ignore[assignment]  # bound at train begin
+            write_provenance(output_dir, anchors, self.settings.strength.as_trace(), metrics, state.global_step)
 
     def on_log(
         self,

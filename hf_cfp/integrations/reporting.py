@@ -5,11 +5,19 @@ printer, and hands each the same `logs` dict in turn; `state.log_history` is app
 So a user callback's keys would miss TensorBoard, W&B, ... and the history. Two ways to move
 the callback just before the first reporter:
 
-- explicit: `move_before_reporters(trainer.callback_handler, callback)`, which
+- explicit, the public way: `move_before_reporters(trainer.callback_handler, callback)`, which
   `CFPCallback.attach(trainer)` calls;
-- automatic: at train begin the callback finds the CallbackHandler that is calling it
-  (`find_trainer_call`, the one place that walks stack frames, a transformers internal; the same
-  walk reads the checkpoint path the Trainer is resuming from).
+- automatic, for `callbacks=[...]`: at train begin the callback finds the CallbackHandler that is calling it
+  (`find_trainer_call`).
+
+`find_trainer_call` is the library's one walk over stack frames, a fallback kept because no public path
+exists: a callback's events receive `args`, `state`, `control` and the model, optimizer, scheduler, dataloaders
+and processing class, but neither the Trainer nor its CallbackHandler, so a callback handed to `Trainer(...,
+callbacks=[...])` cannot reach the handler's list to reorder it; nor do they carry the checkpoint path given to
+`trainer.train(resume_from_checkpoint=<path>)` (tests/integration/test_placement.py shows both). The same walk
+reads that path, which is used only when `args.resume_from_checkpoint` and `output_dir/checkpoint-<step>` name no
+checkpoint (`resume.public_checkpoint`). It runs at most once per train begin, and not at all for an attached
+callback that starts fresh or resumes from output_dir.
 
 In `on_log` the callback also updates the history entry of that step (`add_to_step_log`).
 """
@@ -40,9 +48,10 @@ class TrainerCall:
 
 
 def find_trainer_call(callback: TrainerCallback, max_depth: int = 16) -> TrainerCall | None:
-    """Walk up the call stack: the CallbackHandler whose callbacks include `callback`, and above it
-    the Trainer method that called the handler, whose `resume_from_checkpoint` local holds the
-    checkpoint path (`True` already resolved to the latest checkpoint). None without a handler."""
+    """The fallback for what a callback's events do not carry (module docstring): walk up at most `max_depth`
+    frames of the call stack to the CallbackHandler whose callbacks include `callback`, and above it the Trainer
+    method that called the handler, whose `resume_from_checkpoint` local holds the checkpoint path (`True` already
+    resolved to the latest checkpoint). None without a handler (a plain loop driving the callback)."""
     frame: FrameType | None = sys._getframe(1)
     handler = None
     for _ in range(max_depth):

@@ -13,16 +13,25 @@ from ..protection import SavedTheta0, has_saved_theta0
 logger = logging.get_logger(__name__)
 
 
-def saved_theta0(
-    args: TrainingArguments, state: TrainerState, resumed_from: str | None, restart_path_on_resume: bool
-) -> SavedTheta0 | None:
-    """The theta0 saved in the checkpoint being resumed: the path the Trainer resumes from, else
-    `args.resume_from_checkpoint`, else `output_dir/checkpoint-<step>`. Without one, raise
-    CFPError, or with `restart_path_on_resume=True` return None (theta0 = the resumed weights)."""
+def public_checkpoint(args: TrainingArguments | None, state: TrainerState) -> str | None:
+    """The checkpoint a resumed run resumes from, as far as the callback's own arguments tell: the directory
+    `args.resume_from_checkpoint` names (set by scripts that pass it on to `train()`, as `hf-cfp train` does), else
+    `output_dir/checkpoint-<global_step>` (what `train(resume_from_checkpoint=True)` resumes: the latest checkpoint
+    of output_dir, whose step the resumed state carries); None when neither is a directory. A path given to
+    `train(resume_from_checkpoint=...)` alone reaches no callback (`reporting.find_trainer_call` reads it)."""
     explicit = getattr(args, "resume_from_checkpoint", None)  # a loop may pass no TrainingArguments
-    checkpoint = resumed_from or (explicit if isinstance(explicit, str) else None)
-    if checkpoint is None and getattr(args, "output_dir", None):
-        checkpoint = checkpoint_dir(args, state)
+    candidates = [explicit if isinstance(explicit, (str, os.PathLike)) else None]
+    if args is not None and getattr(args, "output_dir", None):
+        candidates.append(checkpoint_dir(args, state))
+    return next((os.fspath(c) for c in candidates if c is not None and os.path.isdir(c)), None)
+
+
+def saved_theta0(
+    args: TrainingArguments | None, state: TrainerState, checkpoint: str | None, restart_path_on_resume: bool
+) -> SavedTheta0 | None:
+    """The theta0 saved in `checkpoint`, the one being resumed (`public_checkpoint`, else the path the Trainer's
+    `train()` was given). Without one, raise CFPError, or with `restart_path_on_resume=True` return None
+    (theta0 = the resumed weights)."""
     if checkpoint is not None and has_saved_theta0(checkpoint):
         return SavedTheta0(checkpoint)
     if restart_path_on_resume:

@@ -98,8 +98,8 @@ class Strength:
         )
 
     def as_trace(self) -> dict[str, Any]:
-        """The strength as recorded in a trained model's config: {"lam": [...] or "schedule", "scale_lam_with_lr"}
-        or {"kl_budget": [...]} (`trace.record_trace`)."""
+        """The strength as recorded beside a trained model: {"lam": [...] or "schedule", "scale_lam_with_lr"}
+        or {"kl_budget": [...]} (`trace.write_provenance`)."""
         if self.kl_budget is not None:
             return {"kl_budget": list(self.kl_budget)}
         return {"lam": "schedule" if callable(self.lam) else list(self.lam), "scale_lam_with_lr": self.scale_with_lr}

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..anchor.hub import looks_like_local_path, parse_reference
-from ..demo.bundled import CALIBRATION_SETS, load_prompts
 from ..errors import AnchorValidationError, CFPArgumentError
 from ..integrations import CFPCallback
 from ..integrations.loop import anchor_list
@@ -25,6 +24,7 @@ from ..integrations.options import (
 )
 from ..integrations.settings import ProtectionSettings
 from ..integrations.surfaces import argument_head, shown_type, with_arguments
+from ..loading.prompts import CALIBRATION_SETS, load_prompts
 
 CONFIG_KEYS = [CONFIG_PREFIX + option.name for option in options_on(CONFIG)]  # CFPConfig's fields, Axolotl's keys
 PROMPT_SOURCES = f"a bundled calibration set ({', '.join(CALIBRATION_SETS)}) or a .jsonl/.json/.txt file of prompts"
@@ -152,7 +152,7 @@ class CFPConfig:
     ```yaml
     # cfg.yaml, for `hf-cfp train dpo --config cfg.yaml --cfp_lam 20`
     model_name_or_path: smollm2-135m
-    dataset_name: hf_cfp/demo/data/pirate_preferences.jsonl
+    dataset_name: hf_cfp/loading/data/pirate_preferences.jsonl
     cfp_anchor: ./anchors/math
     cfp_lam: 10.0
     ```

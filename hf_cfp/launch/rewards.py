@@ -23,7 +23,7 @@ def _text(completion: Any) -> str:
 def last_number_matches(completions: list, answer: list | None = None, **kwargs: Any) -> list[float]:
     """1.0 where the last number in the completion equals the last number of the dataset's `answer` column
     (`hf_cfp.evaluation.scores.final_number`: "1,250" is 1250), else 0.0. For the bundled math set
-    `hf_cfp/demo/data/math_eval.jsonl` (integer answers).
+    `hf_cfp/loading/data/math_eval.jsonl` (integer answers).
 
     Args:
         completions (`list`): the sampled completions (strings or chat messages).

@@ -9,8 +9,8 @@ import torch
 from datasets import DatasetDict, IterableDatasetDict, load_dataset
 from trl import ModelConfig, ScriptArguments
 
-from ..demo.models import EMBEDDED, load_causal_lm
 from ..errors import CFPArgumentError
+from ..loading.models import EMBEDDED, load_causal_lm
 
 # local data files and the `datasets` builder that reads them
 FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -35,7 +35,7 @@ def load_splits(script_args: ScriptArguments) -> DatasetDict | IterableDatasetDi
     """The dataset's splits: a data file through the `json` / `parquet` builder (one split, `train`), anything else
     through `load_dataset(dataset_name, name=dataset_config, streaming=dataset_streaming)` as `trl sft` does.
     A `response` column beside `prompt` is renamed `completion` (TRL's prompt-completion form; the bundled pairs
-    `hf_cfp/demo/data/pirate_style.jsonl` use `response`)."""
+    `hf_cfp/loading/data/pirate_style.jsonl` use `response`)."""
     name = str(script_args.dataset_name)
     builder = FILE_BUILDERS.get(Path(name).suffix)
     if builder is not None:

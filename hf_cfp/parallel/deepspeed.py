@@ -25,7 +25,7 @@ persistence thresholds (`ds_persist`) hold a full copy that the next forward use
 correction they are re-gathered from their corrected partitions, as DeepSpeed does after a step.
 
 Nothing here imports deepspeed: the optimizer is recognized by its attributes (its import-time CPU note is
-silenced by `hf_cfp.quiet`).
+silenced while an `hf-cfp` command runs, `hf_cfp.quiet`).
 """
 
 import os

@@ -17,24 +17,35 @@ QLoRA: W0 may be a bitsandbytes 4-bit or 8-bit weight (PEFT's `lora.bnb.Linear4b
 adapter is full precision and the layer computes dequant(W0) x + s B A x, so Delta_W is the same exact
 s B A - s0 B0 A0; W0 itself enters only by its name and logical shape (`hf_cfp.quantized`). (A 4-bit
 `merge_and_unload()` re-quantizes the merged weight, so it is not the reference there.)
+
+peft is optional (the `peft` extra) and is never imported by this module until a PeftModel is found: a PeftModel
+can exist only once peft has been imported, so `find_peft_model` first looks for "peft" in `sys.modules` and,
+without it, knows there is none (a plain model costs no import and no walk over its modules).
 """
 
+import functools
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from peft import PeftModel, PeftType
-from peft.tuners.lora import Linear as LoraLinear
-from peft.tuners.lora import LoraLayer
-from peft.tuners.tuners_utils import BaseTunerLayer
-from peft.utils import ModulesToSaveWrapper
-from peft.utils.other import AuxiliaryTrainingWrapper
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
 from ..ops import DriftView, drift_squares
 from ..ops.lora_correction import LoraFactors
+
+if TYPE_CHECKING:  # peft's types, for type checkers only (peft is imported once a PeftModel exists)
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+    from peft.utils.other import AuxiliaryTrainingWrapper
+
+    PeftClasses = tuple[
+        type[LoraLayer], type[ModulesToSaveWrapper], type[BaseTunerLayer], type[AuxiliaryTrainingWrapper]
+    ]
 
 
 @dataclass(eq=False)
@@ -46,7 +57,7 @@ class AdaptedWeight:
     """
 
     name: str  # the base model's name of W0
-    layer: LoraLayer  # a LoRA Linear, or PEFT's bitsandbytes 4-/8-bit Linear (QLoRA)
+    layer: "LoraLayer"  # a LoRA Linear, or PEFT's bitsandbytes 4-/8-bit Linear (QLoRA)
     adapters: tuple[str, ...]
     snapshot: list[tuple[float, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (s0, B0, A0) each
 
@@ -118,9 +129,26 @@ class PeftView:
     adapted: dict[str, AdaptedWeight]
 
 
-def find_peft_model(model: torch.nn.Module) -> PeftModel | None:
-    """The PeftModel that is `model` or that a wrapper (DDP, torch.compile) holds; None if there is none."""
+def find_peft_model(model: torch.nn.Module) -> "PeftModel | None":
+    """The PeftModel that is `model` or that a wrapper (DDP, torch.compile) holds; None if there is none, at once
+    when peft was never imported (then no PeftModel can exist)."""
+    if "peft" not in sys.modules:
+        return None
+    from peft import PeftModel  # optional (the `peft` extra): imported already, as a PeftModel may exist
+
     return next((m for m in model.modules() if isinstance(m, PeftModel)), None)
+
+
+@functools.cache
+def _peft_classes() -> "PeftClasses":
+    """(LoraLayer, ModulesToSaveWrapper, BaseTunerLayer, AuxiliaryTrainingWrapper): the PEFT modules `_walk`
+    recognizes, imported once, after a PeftModel was found."""
+    from peft.tuners.lora import LoraLayer  # optional (the `peft` extra): reached only once a PeftModel exists
+    from peft.tuners.tuners_utils import BaseTunerLayer  # (ditto)
+    from peft.utils import ModulesToSaveWrapper  # (ditto)
+    from peft.utils.other import AuxiliaryTrainingWrapper  # (ditto)
+
+    return LoraLayer, ModulesToSaveWrapper, BaseTunerLayer, AuxiliaryTrainingWrapper
 
 
 def peft_view(model: torch.nn.Module) -> PeftView | None:
@@ -140,6 +168,8 @@ def peft_view(model: torch.nn.Module) -> PeftView | None:
             "Train the LoRA model with DDP (its factors are small enough to replicate), or merge the adapter "
             "(merge_and_unload()) and train the full model under FSDP."
         )
+    from peft import PeftType  # optional (the `peft` extra): imported already, as `peft_model` is a PeftModel
+
     for adapter in peft_model.active_adapters:
         peft_type = peft_model.peft_config[adapter].peft_type
         if peft_type != PeftType.LORA:
@@ -161,20 +191,21 @@ def _walk(module: torch.nn.Module, prefix: str, view: PeftView, seen: set[int]) 
             seen.add(id(base))
             view.base[name], view.params[name] = base, standing
 
-    if isinstance(module, LoraLayer):
+    lora_layer, modules_to_save, tuner_layer, auxiliary = _peft_classes()
+    if isinstance(module, lora_layer):
         adapted = _adapted(module, prefix)
         for name, param in module.get_base_layer().named_parameters():
             add(prefix + name, param, param)
         if adapted is not None:
             view.adapted[adapted.name] = adapted
         return
-    if isinstance(module, ModulesToSaveWrapper):
+    if isinstance(module, modules_to_save):
         (active,) = module.active_adapters  # PEFT trains one modules_to_save copy at a time
         trained = dict(module.modules_to_save[active].named_parameters())
         for name, param in module.original_module.named_parameters():
             add(prefix + name, param, trained[name])
         return
-    if isinstance(module, (BaseTunerLayer, AuxiliaryTrainingWrapper)):
+    if isinstance(module, (tuner_layer, auxiliary)):
         raise CFPError(
             f"CFP supports LoRA adapters only; module {prefix.rstrip('.')!r} is a {type(module).__name__}. Merge "
             "the adapter (merge_and_unload()) and train the full model, or use a LoRA adapter."
@@ -185,7 +216,7 @@ def _walk(module: torch.nn.Module, prefix: str, view: PeftView, seen: set[int]) 
         _walk(child, f"{prefix}{name}.", view, seen)
 
 
-def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
+def _adapted(layer: "LoraLayer", prefix: str) -> AdaptedWeight | None:
     """The LoRA-adapted weight of `layer` (None when no active adapter sits on it), or CFPError if unsupported."""
     adapters = tuple(a for a in layer.active_adapters if a in layer.lora_A)
     name = prefix + "weight"
@@ -218,6 +249,8 @@ def _adapted(layer: LoraLayer, prefix: str) -> AdaptedWeight | None:
 def _supported_layers() -> tuple[type, ...]:
     """PEFT's LoRA `Linear`, and its bitsandbytes layers (QLoRA: `Linear4bit`, `Linear8bitLt`) once bitsandbytes
     is imported (a quantized model imports it; without it there is no such layer)."""
+    from peft.tuners.lora import Linear as LoraLinear  # optional (the `peft` extra): a PeftModel exists here
+
     if sys.modules.get("bitsandbytes") is None:
         return (LoraLinear,)
     try:  # bitsandbytes is optional (the `qlora` extra); PEFT defines its LoRA layers only when it is installed

@@ -4,7 +4,7 @@ import torch
 from accelerate import Accelerator
 
 from hf_cfp import CFP, FisherAnchor
-from hf_cfp.demo.models import tiny_llama
+from hf_cfp.loading.models import tiny_llama
 
 accelerator = Accelerator(cpu=True)
 model = tiny_llama()  # a tiny random Llama; use your own model

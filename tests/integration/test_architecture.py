@@ -1,4 +1,6 @@
-"""The package's shape: layered subpackages, no import cycle, no hidden function-local imports.
+"""The package's shape: layered subpackages, no import cycle, no hidden function-local imports, optional
+packages imported only where they are needed, and nothing but the library inside it (the experiment harness and
+benchmark instrumentation live in scripts/).
 
 Read from the source with `ast` (nothing is imported), so a violation names the file and line.
 """
@@ -10,16 +12,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hf_cfp"
 
 # Each layer imports only from layers before it (and from itself).
 LAYERS = [
-    ("version", "errors", "exports", "quiet", "names", "quantized", "resident"),
+    ("version", "errors", "exports", "imports", "quiet", "names", "quantized"),
     ("ops",),
     ("parallel",),
     ("anchor",),
     ("fisher",),
     ("protection",),
     ("evaluation",),
+    ("loading",),  # models and prompt sets the CLI, the launcher and the demo load
     ("integrations",),
     ("demo",),
-    ("evidence",),
     ("launch",),
     ("cli",),
     ("__init__",),
@@ -28,6 +30,16 @@ LAYER_OF = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 
 # Optional heavy dependencies may be imported inside a function, with a comment saying why.
 LAZY_ALLOWED = {"deepspeed", "peft", "matplotlib", "bitsandbytes"}
+
+# Packages outside the core install (pyproject's extras; hf_cfp/imports.py probes them), and the only modules
+# that may import them at module level: the launcher behind `hf-cfp train` (the `trl` extra) and the Axolotl
+# plugin, which Axolotl itself loads. Everywhere else they are imported inside the function that needs them.
+OPTIONAL = {"trl", "datasets", "peft", "deepspeed", "bitsandbytes", "matplotlib", "gguf", "axolotl", "pydantic"}
+TOP_LEVEL_OPTIONAL = {
+    "hf_cfp.launch.train": {"trl"},
+    "hf_cfp.launch.sources": {"trl", "datasets"},
+    "hf_cfp.launch.axolotl": {"axolotl", "pydantic"},
+}
 
 # Modules allowed over MAX_LINES, with the reason.
 MAX_LINES = 350
@@ -162,6 +174,28 @@ def test_function_local_imports_are_optional_dependencies_with_a_reason():
             elif not any("#" in line for line in context):
                 problems.append(f"{path.name}:{node.lineno} imports {names} lazily without a comment saying why")
     assert not problems, "\n".join(problems)
+
+
+def test_optional_packages_are_imported_at_module_level_only_by_the_launcher():
+    problems = []
+    for module, path in MODULES.items():
+        for node, in_function in imports(path):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            roots = {name.split(".")[0] for name in names if not getattr(node, "level", 0)} & OPTIONAL
+            if roots and not in_function and not roots <= TOP_LEVEL_OPTIONAL.get(module, set()):
+                problems.append(f"{path.name}:{node.lineno} imports {sorted(roots)} at module level")
+    assert not problems, "\n".join(problems)
+
+
+def test_the_package_holds_no_experiment_harness_or_benchmark_instrumentation():
+    """They live in scripts/ (imported there as `evidence` and `benchkit`), outside what `pip install` ships."""
+    assert not (PACKAGE / "evidence").exists() and not (PACKAGE / "resident.py").exists()
+    scripts = PACKAGE.parent / "scripts"
+    assert (scripts / "evidence" / "__init__.py").is_file() and (scripts / "benchkit" / "__init__.py").is_file()
+    for module, path in MODULES.items():
+        for node, _ in imports(path):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            assert not {n.split(".")[0] for n in names} & {"evidence", "benchkit"}, f"{module} imports {names}"
 
 
 def test_modules_stay_small():

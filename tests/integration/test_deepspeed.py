@@ -36,6 +36,7 @@ from support.distributed import (
     save_one_process_theta0,
     trainer_run,
 )
+from support.extras import requires
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +146,7 @@ def test_zero3_checkpoint_restores_in_one_process(worker_out):
     assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
 
 
+@requires("peft")
 def test_zero2_lora_carries_the_correction_into_the_master_copy_and_equals_one_process(ranks, tmp_path):
     assert all(r["zero2_lora_master_gap"] == 0.0 for r in ranks)  # master copy == corrected fp32 factors
     check_lora_equals_one_process(
@@ -152,6 +154,7 @@ def test_zero2_lora_carries_the_correction_into_the_master_copy_and_equals_one_p
     )
 
 
+@requires("peft")
 def test_zero3_lora_is_refused_with_a_clear_error(ranks):
     for r in ranks:
         error, message = r["zero3_lora_refusal"]

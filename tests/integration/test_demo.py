@@ -7,18 +7,22 @@ kl_to_base and the scores computed afresh on the returned models."""
 
 import copy
 import re
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from peft import PeftModel
+from support.extras import needs
 from support.references import drift_reference
 
 from hf_cfp import FisherAnchor, kl_to_base
 from hf_cfp.demo import run_demo
 from hf_cfp.demo.capability import held_out_math
-from hf_cfp.demo.models import tiny_llama
 from hf_cfp.demo.run import LORA_TARGETS
 from hf_cfp.evaluation import greedy_exact_match, reference_log_likelihood
+from hf_cfp.loading.models import tiny_llama
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 KEY = "cfp/math/sensitive_drift"
 
@@ -69,7 +73,7 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     check_capability_lines(result, out)
 
 
-def merged_drift(model: PeftModel, fisher: dict[str, torch.Tensor]) -> dict[str, float]:
+def merged_drift(model: "PeftModel", fisher: dict[str, torch.Tensor]) -> dict[str, float]:
     """The drift metrics recomputed from PEFT's merged model minus its base weights, in float64."""
     base = copy.deepcopy(model).unload().state_dict()
     merged = copy.deepcopy(model).merge_and_unload().state_dict()
@@ -83,6 +87,9 @@ def merged_drift(model: PeftModel, fisher: dict[str, torch.Tensor]) -> dict[str,
 
 def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_path, capsys):
     pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    needs("peft")
+    from peft import PeftModel
+
     result = run_demo(tiny=True, peft=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
     plain, cfp = result["plain"], result["cfp"]
     assert [r["step"] for r in plain] == [r["step"] for r in cfp] == list(range(1, 7))

@@ -43,6 +43,7 @@ from support.distributed import (
     run_worker,
     save_one_process_theta0,
 )
+from support.extras import requires
 
 from hf_cfp import CFPError
 from hf_cfp.protection import SavedTheta0
@@ -266,10 +267,12 @@ def test_a_checkpoint_missing_a_process_file_is_an_error_naming_the_parameter(wo
         make_state(make_model(), theta0=SavedTheta0(partial))
 
 
+@requires("peft")
 def test_ddp_lora_equals_one_process(ranks, tmp_path):
     check_lora_equals_one_process([r["lora_ddp_params"] for r in ranks], [r["lora_ddp_logs"] for r in ranks], tmp_path)
 
 
+@requires("peft")
 def test_ddp_lora_resumes_bit_identically_from_the_factors_rank_0_saved(ranks):
     """theta0 of the lm_head copy and the LoRA factors at train begin are replicated: rank 0 writes them once,
     both processes read them back, and the resumed run equals the uninterrupted one bit for bit."""
@@ -280,6 +283,7 @@ def test_ddp_lora_resumes_bit_identically_from_the_factors_rank_0_saved(ranks):
         assert all(r["lora_ddp_resumed_logs"][key] == r["lora_ddp_logs"][key] for key in ("loss", *LORA_KEYS))
 
 
+@requires("peft")
 @pytest.mark.parametrize("kind, says", [("fsdp2", "has sharded LoRA factors"), ("fsdp1", "under FSDP1")])
 def test_sharded_lora_factors_are_refused_with_a_clear_error(ranks, kind, says):
     for r in ranks:

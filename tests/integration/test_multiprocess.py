@@ -7,7 +7,7 @@ import torch
 from support.tiny import tiny_llama, tiny_tokenizer, torchrun
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.demo.models import load_causal_lm
+from hf_cfp.loading.models import load_causal_lm
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "compute_fisher.py"
 

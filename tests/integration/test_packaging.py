@@ -61,8 +61,8 @@ def test_wheel_contains_the_package_data(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "hf_cfp/anchor/templates/fisher_anchor.md" in names
     data = ["math", "math_eval", "code", "code_eval", "safety", "safety_eval", "pirate_style", "pirate_preferences"]
-    assert {f"hf_cfp/demo/data/{name}.jsonl" for name in data} <= names
-    assert "hf_cfp/demo/data/HumanEval-LICENSE.txt" in names  # the license of the code data travels with it
+    assert {f"hf_cfp/loading/data/{name}.jsonl" for name in data} <= names
+    assert "hf_cfp/loading/data/HumanEval-LICENSE.txt" in names  # the license of the code data travels with it
     assert not any(name.startswith("tests/") for name in names)
 
 

@@ -1,16 +1,22 @@
 """Metrics reach the reporters: the automatic placement before them, and `CFPCallback.attach(trainer)`
-for trainers whose callback handler the automatic placement cannot find."""
+for trainers whose callback handler the automatic placement cannot find; and why the automatic placement (and a
+resume path given only to `train()`) needs the one stack walk."""
 
+import json
 import logging
+import shutil
 
 from support.tensorboard import read_scalars
 from support.tiny import anchor_for, tiny_llama
 from support.training import lm_dataset
-from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TensorBoardCallback
+from transformers.trainer_callback import CallbackHandler
 
 import hf_cfp.integrations.callback as callback_module
 from hf_cfp import CFPCallback
+from hf_cfp.integrations.reporting import find_trainer_call
+from hf_cfp.integrations.resume import public_checkpoint
 
 KEYS = ("train/cfp/math/sensitive_drift", "train/cfp/math/free_drift", "train/cfp/total_drift")
 
@@ -80,3 +86,39 @@ def test_attach_makes_metrics_reach_tensorboard_when_the_handler_cannot_be_found
     for key in KEYS:
         assert [step for step, _ in scalars["attached"][key]] == [1, 2, 3]
     assert sum("attach(trainer)" in r.getMessage() for r in caplog.records) == 1  # the plain arm only
+
+
+class RecordTrainBegin(TrainerCallback):
+    """Keeps what the Trainer hands a callback at train begin, and what the stack walk finds from there."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.args, self.state, self.control, self.kwargs = args, state, control, kwargs
+        self.text = json.dumps([args.to_dict(), vars(state), vars(control)], default=str)  # as handed, not later
+        self.step, self.public = state.global_step, public_checkpoint(args, state)
+        self.found = find_trainer_call(self)
+
+
+def test_no_event_carries_the_handler_or_the_resume_path_so_the_stack_walk_reads_them(tmp_path):
+    """Why `find_trainer_call` exists: at train begin a callback receives `args`, `state`, `control` and keyword
+    arguments, none of which is or holds the Trainer or its CallbackHandler (so `callbacks=[...]` cannot be
+    reordered before the reporters from them), and a path given only to `train(resume_from_checkpoint=...)` is in
+    none of them; the walk finds both."""
+    model = tiny_llama()
+    first = tensorboard_trainer(model, tmp_path / "first")
+    first.args.save_strategy, first.args.save_steps = "steps", 2
+    first.train()
+    moved = tmp_path / "elsewhere" / "my-checkpoint"
+    shutil.copytree(tmp_path / "first" / "checkpoint-3", moved)  # max_steps=3: the final step's checkpoint
+    recorder = RecordTrainBegin()
+    trainer = tensorboard_trainer(tiny_llama(), tmp_path / "fresh", callbacks=[recorder])
+    trainer.train(resume_from_checkpoint=str(moved))
+
+    handed = [recorder.args, recorder.state, recorder.control, *recorder.kwargs.values()]
+    assert not any(isinstance(value, (Trainer, CallbackHandler)) for value in handed)
+    attributes = [v for obj in handed if hasattr(obj, "__dict__") for v in vars(obj).values()]
+    assert not any(isinstance(value, (Trainer, CallbackHandler)) for value in attributes)
+    assert str(moved) not in recorder.text and "my-checkpoint" not in recorder.text
+    assert "resume_from_checkpoint" not in recorder.kwargs and recorder.args.resume_from_checkpoint is None
+    assert recorder.step == 3 and recorder.public is None  # resumed, yet no path the public lookup tries exists
+    assert recorder.found is not None and recorder.found.handler is trainer.callback_handler
+    assert recorder.found.resume_from_checkpoint == str(moved)

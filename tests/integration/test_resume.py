@@ -5,9 +5,9 @@ import shutil
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from support.anchors import random_anchor
+from support.extras import needs
 from support.tiny import tiny_llama
 from support.training import lm_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -34,6 +34,9 @@ def run(output_dir, extra=(), resume=None, args_overrides=None, lora_targets=Non
     model = tiny_llama()
     anchors = dict(anchor=random_anchor(model, "math", seed=1), monitor=[random_anchor(model, "code", seed=2)])
     if lora_targets is not None:
+        needs("peft")
+        from peft import LoraConfig, get_peft_model
+
         model = get_peft_model(model, LoraConfig(r=4, target_modules=lora_targets, modules_to_save=["lm_head"]))
     args = TrainingArguments(
         output_dir=str(output_dir),
@@ -170,5 +173,7 @@ LORA_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight
 
 def lora_a_at_init():
     """The first q_proj's LoRA A as get_peft_model initializes it (the seed of `lora_run`'s model)."""
+    from peft import LoraConfig, get_peft_model  # the `peft` extra: called after `lora_runs` checked it
+
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=LORA_TARGETS, modules_to_save=["lm_head"]))
     return dict(model.named_parameters())[LORA_A].detach()

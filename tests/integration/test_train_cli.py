@@ -15,14 +15,17 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+from support.extras import needs
 from support.references import drift_reference
 from support.tensorboard import read_scalars
 from support.tiny import accelerate_launch, anchor_for, tiny_llama, tiny_tokenizer
 
-from hf_cfp import CFPArgumentError, FisherAnchor
-from hf_cfp.anchor.fingerprint import model_fingerprint
-from hf_cfp.cli import main
-from hf_cfp.launch.train import parse_train_arguments, train_main
+needs("trl", "datasets")
+
+from hf_cfp import CFPArgumentError, FisherAnchor  # noqa: E402
+from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
+from hf_cfp.cli import main  # noqa: E402
+from hf_cfp.launch.train import parse_train_arguments, train_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
@@ -81,7 +84,8 @@ def test_example_config_trains_and_logs_the_drift_of_the_saved_model(kind, works
 
     reference = check_last_metrics_against_the_saved_model(kind, output_dir, logs[-1], workspace)
 
-    trace = json.loads((output_dir / "config.json").read_text())["cfp"]  # the trace in the saved model
+    assert "cfp" not in json.loads((output_dir / "config.json").read_text())  # the saved model's config untouched
+    trace = json.loads((output_dir / "cfp_provenance.json").read_text())  # the trace beside the saved model
     assert trace["lam"] == [LAM]
     assert [a["name"] for a in trace["anchors"]] == ["math"]
     assert trace["final_metrics"]["cfp/total_drift"] == pytest.approx(reference["cfp/total_drift"], rel=METRIC_REL)
@@ -120,7 +124,7 @@ def test_the_same_command_under_accelerate_launch_trains_on_two_processes(worksp
     output_dir = tmp_path / "launched"
     arguments = example_arguments("sft", workspace, output_dir, "--cfp_lam", LAM, "--report_to", "none")
     arguments[arguments.index("--config") + 1] = str(REPO / "scripts" / "configs" / "sft.yaml")
-    arguments += ["--dataset_name", str(REPO / "hf_cfp" / "demo" / "data" / "pirate_style.jsonl")]
+    arguments += ["--dataset_name", str(REPO / "hf_cfp" / "loading" / "data" / "pirate_style.jsonl")]
     run = accelerate_launch(
         "hf_cfp.cli",
         "train",
@@ -142,7 +146,7 @@ def test_yaml_values_hold_where_the_command_line_is_silent(workspace, tmp_path, 
     monkeypatch.chdir(REPO)
     config = tmp_path / "cfg.yaml"
     config.write_text(
-        f"model_name_or_path: {workspace['model']}\ndataset_name: hf_cfp/demo/data/pirate_style.jsonl\n"
+        f"model_name_or_path: {workspace['model']}\ndataset_name: hf_cfp/loading/data/pirate_style.jsonl\n"
         f"output_dir: {tmp_path / 'out'}\nmax_steps: 2\nper_device_train_batch_size: 2\nmax_length: 32\n"
         "logging_steps: 1\nsave_strategy: 'no'\nreport_to: none\nuse_cpu: true\nbf16: false\n"
         f"cfp_anchor: {workspace['anchor']}\ncfp_lam: 3.25\ncfp_free_fraction: 0.9\n"

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 from support.anchors import random_anchor
+from support.extras import requires
 from support.references import ReferenceCFP
 from support.tensorboard import read_scalars
 from support.tiny import tiny_llama, tiny_tokenizer
@@ -308,6 +309,7 @@ def _run_dpo(tmp_path, tokenizer, tag, callbacks=(), report_to="none"):
     return trainer, model, theta0
 
 
+@requires("trl", "datasets")
 def test_dpo_trainer_correction_acts_and_metrics_logged(tmp_path, monkeypatch):
     tokenizer = tiny_tokenizer()
     probe = tiny_llama(vocab_size=len(tokenizer), hidden_size=16, seed=0)
@@ -364,6 +366,7 @@ def _reward_letters(completions, **kwargs):
     return [float(c.count("e")) + 0.1 * len(c) for c in completions]
 
 
+@requires("trl", "datasets")
 def test_grpo_trainer_logs_metrics_to_tensorboard(tmp_path, monkeypatch):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -428,9 +431,10 @@ def test_grpo_trainer_logs_metrics_to_tensorboard(tmp_path, monkeypatch):
     assert callbacks.index(callback) < next(i for i, cb in enumerate(callbacks) if isinstance(cb, TensorBoardCallback))
 
 
-def test_the_trained_model_carries_the_cfp_trace(tmp_path):
-    """Tags for the Hub card (`cfp`, `cfp-anchor:<name>`), and config.json's `cfp`: the anchor, lam and the final
-    drift, equal to the metrics the last logging step recorded in trainer_state.json."""
+def test_the_trained_model_carries_the_cfp_trace_and_its_config_is_untouched(tmp_path):
+    """Tags for the Hub card (`cfp`, `cfp-anchor:<name>`), and output_dir's cfp_provenance.json: the anchor, lam and
+    the final drift, equal to the metrics the last logging step recorded in trainer_state.json; the saved
+    config.json has no `cfp` entry."""
     model = tiny_llama()
     anchor = random_anchor(model)
     args = TrainingArguments(
@@ -443,8 +447,11 @@ def test_the_trained_model_carries_the_cfp_trace(tmp_path):
     card = (tmp_path / "README.md").read_text()
     assert "- cfp\n" in card and "- cfp-anchor:math\n" in card
     trainer.save_model(str(tmp_path / "final"))
-    trace = json.loads((tmp_path / "final" / "config.json").read_text())["cfp"]
+    assert "cfp" not in json.loads((tmp_path / "final" / "config.json").read_text())
+    assert not hasattr(model.config, "cfp")
+    trace = json.loads((tmp_path / "cfp_provenance.json").read_text())  # beside the model save_model() writes
     assert trace["anchors"] == [{"name": "math", "reference": None}] and trace["lam"] == [10.0]
+    assert trace["global_step"] == 3
     logged = [h for h in trainer.state.log_history if "cfp/total_drift" in h][-1]
     assert trace["final_metrics"]["cfp/total_drift"] == pytest.approx(logged["cfp/total_drift"], rel=1e-6)
     assert trace["final_metrics"]["cfp/math/sensitive_drift"] > 0

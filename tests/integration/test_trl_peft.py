@@ -15,12 +15,16 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig
-from support.references import drift_reference
-from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
+from support.extras import needs
 
-from hf_cfp import AnchorMismatchError, CFPCallback
-from hf_cfp.anchor.fingerprint import model_fingerprint
+needs("trl", "datasets", "peft")
+
+from peft import LoraConfig  # noqa: E402
+from support.references import drift_reference  # noqa: E402
+from support.tiny import anchor_for, tiny_llama, tiny_tokenizer  # noqa: E402
+
+from hf_cfp import AnchorMismatchError, CFPCallback  # noqa: E402
+from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
 SENS, FREE, TOTAL = "cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/total_drift"

@@ -14,11 +14,14 @@ the callback's pull (lam = 0, the same trainer and data).
 """
 
 from support.anchors import random_anchor
+from support.extras import requires
 from support.references import StepReference, assert_metrics_match, drift_reference
 from support.tiny import tiny_llama, tiny_tokenizer
 from transformers import LlamaForCausalLM
 
 from hf_cfp import CFPCallback
+
+pytestmark = requires("trl", "datasets")  # TRL's SFTTrainer and RLOOTrainer
 
 LAM, STEPS = 10.0, 3
 SENS = "cfp/math/sensitive_drift"

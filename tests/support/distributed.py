@@ -22,6 +22,7 @@ from support.tiny import accelerate_launch, tiny_llama, torchrun
 
 TESTS = Path(__file__).resolve().parents[1]
 WORKERS = TESTS / "workers"
+SCRIPTS = TESTS.parent / "scripts"  # `benchkit` (per_rank_loading_worker.py), as pytest's `pythonpath` has it
 
 VOCAB, HIDDEN, LENGTH, ROWS, STEPS, LAM, LR = 33, 16, 12, 4, 4, 10.0, 3e-2  # VOCAB 33: uneven shards
 # The metrics every multi-process test compares (the `math` anchor protects, `code` monitors).
@@ -36,22 +37,23 @@ RESUME_STEP = 2  # interrupted runs save theta0 after this step and resume there
 
 
 def run_worker(script, *args, env=None, **kwargs):
-    """`torchrun` of tests/workers/<script> with `tests/` on PYTHONPATH, so that the worker imports
-    `support.*` as the tests do; returns the CompletedProcess."""
+    """`torchrun` of tests/workers/<script> with `tests/` and `scripts/` on PYTHONPATH, so that the worker imports
+    `support.*` and `benchkit.*` as the tests do; returns the CompletedProcess."""
     return torchrun(WORKERS / script, *args, env=_worker_env(env), **kwargs)
 
 
 def launch_worker(script, *args, config_file, launch_args=(), env=None):
     """tests/workers/<script> through the real `accelerate launch --config_file <config_file>` on the CPU
-    (`support.tiny.accelerate_launch`), with `tests/` on PYTHONPATH; returns the CompletedProcess."""
+    (`support.tiny.accelerate_launch`), with `tests/` and `scripts/` on PYTHONPATH; returns the CompletedProcess."""
     return accelerate_launch(
         WORKERS / script, *args, config_file=config_file, launch_args=launch_args, env=_worker_env(env)
     )
 
 
 def _worker_env(env):
-    """`env` plus `tests/` in front of PYTHONPATH, so that a worker imports `support.*` as the tests do."""
-    pythonpath = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    """`env` plus `tests/` and `scripts/` in front of PYTHONPATH, so that a worker imports `support.*` and
+    `benchkit.*` as the tests do."""
+    pythonpath = os.pathsep.join(filter(None, [str(TESTS), str(SCRIPTS), os.environ.get("PYTHONPATH")]))
     return {"PYTHONPATH": pythonpath, **(env or {})}
 
 

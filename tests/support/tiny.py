@@ -3,7 +3,7 @@
 import torch
 
 # the one tiny-model and tiny-tokenizer builders (demo, evidence, scripts, tests)
-from hf_cfp.demo.models import tiny_llama, tiny_tokenizer
+from hf_cfp.loading.models import tiny_llama, tiny_tokenizer
 
 __all__ = ["accelerate_launch", "anchor_for", "free_port", "tiny_llama", "tiny_tokenizer", "torchrun"]
 

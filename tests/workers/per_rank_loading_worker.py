@@ -14,12 +14,12 @@ Each process saves what it bound, read and measured to `<out>/rank<r>.pt`.
 import sys
 
 import torch
+from benchkit.resident import peak_rss_increase
 from support.distributed import per_rank_model
 
 from hf_cfp import FisherAnchor
 from hf_cfp.protection import CFPState
 from hf_cfp.protection.binding import bind_anchor
-from hf_cfp.resident import peak_rss_increase
 
 
 def bound_pieces(bound):

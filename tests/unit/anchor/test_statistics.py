@@ -4,9 +4,10 @@ import math
 
 import pytest
 import torch
+from benchkit.resident import statistics_peak_vs_anchor
 
 from hf_cfp import FisherAnchor
-from hf_cfp.anchor.statistics import concentration, fisher_statistics, statistics_peak_vs_anchor
+from hf_cfp.anchor.statistics import concentration, fisher_statistics
 
 
 def test_statistics_match_a_plain_computation():

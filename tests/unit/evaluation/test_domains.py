@@ -11,7 +11,10 @@ import pytest
 import torch
 from support.tiny import tiny_llama, tiny_tokenizer
 
-from hf_cfp.demo.bundled import (
+from hf_cfp.errors import CFPArgumentError
+from hf_cfp.evaluation import is_refusal, refusal_rate
+from hf_cfp.evaluation import scores as scores_module
+from hf_cfp.loading.prompts import (
     calibration_prompts,
     eval_items,
     load_pairs,
@@ -20,12 +23,9 @@ from hf_cfp.demo.bundled import (
     pirate_preference_triples,
     pirate_style_pairs,
 )
-from hf_cfp.errors import CFPArgumentError
-from hf_cfp.evaluation import is_refusal, refusal_rate
-from hf_cfp.evaluation import scores as scores_module
 
 DOMAINS = ("math", "code", "safety")
-DATA = resources.files("hf_cfp.demo").joinpath("data")
+DATA = resources.files("hf_cfp.loading").joinpath("data")
 CODE_INSTRUCTION = "Complete this Python function. Reply with the code only.\n\n"
 
 

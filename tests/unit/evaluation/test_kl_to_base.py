@@ -10,8 +10,8 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
 from support.enumeration import PROMPTS, T, enum_model, exact_kl, exact_log_ratio_moments, exact_quadratic_form
+from support.extras import needs
 from support.tensorboard import read_scalars
 from support.tiny import tiny_llama, tiny_tokenizer
 from support.training import lm_dataset
@@ -164,6 +164,9 @@ def test_callback_on_a_peft_model_measures_from_the_model_at_train_begin(tmp_pat
     """LoRA (B = 0 at init): the base responses drawn from the PeftModel at train begin are those of the plain
     base model, so the logged KL equals kl_to_base(plain base, trained PeftModel). (The adapter moves little
     in 4 steps: the 8-response estimate is then of the order of its stderr, of either sign.)"""
+    needs("peft")
+    from peft import LoraConfig, get_peft_model
+
     plain = tiny_llama(vocab_size=32, eos_token_id=5)
     base = copy.deepcopy(plain)
     model = get_peft_model(plain, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

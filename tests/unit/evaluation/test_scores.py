@@ -7,8 +7,8 @@ import pytest
 import torch
 from support.tiny import tiny_llama, tiny_tokenizer
 
-from hf_cfp.demo.bundled import calibration_prompts, math_eval_items
 from hf_cfp.evaluation import final_number, greedy_exact_match, reference_log_likelihood
+from hf_cfp.loading.prompts import calibration_prompts, math_eval_items
 
 PROMPTS = ["two plus three", "what is the sum", "print five", "the answer is", "code", "three plus two is what"]
 

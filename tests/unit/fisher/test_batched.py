@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from support.extras import needs
 from support.tiny import tiny_llama
 from torch import nn
 from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
@@ -187,6 +188,7 @@ def test_gemma_one_plus_weight_norm(caplog):
 
 
 def test_peft_lora(caplog):
+    needs("peft")
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(

@@ -4,7 +4,7 @@ through a PeftModel (whose forward takes **kwargs), so no `past_key_values` depr
 import logging
 import warnings
 
-from peft import LoraConfig, get_peft_model
+from support.extras import needs
 from support.tiny import tiny_llama
 
 from hf_cfp.fisher.sampling import Sampler, batch_generator, kv_cache_argument, sample_responses
@@ -13,6 +13,9 @@ PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
 
 
 def test_a_peft_model_samples_with_the_new_cache_argument_and_no_warning(caplog):
+    needs("peft")
+    from peft import LoraConfig, get_peft_model
+
     base = tiny_llama(vocab_size=12)
     peft_model = get_peft_model(tiny_llama(vocab_size=12), LoraConfig(r=2, target_modules=["q_proj"]))
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):

@@ -12,10 +12,10 @@ from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import AnchorMismatchError, FisherAnchor
 from hf_cfp.cli import main
-from hf_cfp.demo.bundled import load_pairs
-from hf_cfp.demo.models import load_causal_lm
-from hf_cfp.demo.run import sft_examples
 from hf_cfp.fisher.diagnostics import diagnose, diagnose_anchors, sft_signal_log_second_moment
+from hf_cfp.loading.examples import sft_examples
+from hf_cfp.loading.models import load_causal_lm
+from hf_cfp.loading.prompts import load_pairs
 
 # rows of a right-padded batch: (prompt length, response length); labels -100 on prompts and padding
 ROWS = [(3, 4), (1, 6), (5, 2), (2, 5), (4, 3)]

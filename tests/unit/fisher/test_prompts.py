@@ -10,11 +10,10 @@ import torch
 from support.tiny import tiny_llama, tiny_tokenizer
 
 from hf_cfp import estimate_fisher
+from hf_cfp.imports import is_available
 
 
 def test_prompt_forms_give_the_same_anchor_and_metadata_is_consistent():
-    from datasets import Dataset
-
     tokenizer = tiny_tokenizer()
     assert len(tokenizer) <= 320
     model = tiny_llama(vocab_size=320, hidden_size=8, layers=1, initializer_range=0.3)
@@ -28,8 +27,11 @@ def test_prompt_forms_give_the_same_anchor_and_metadata_is_consistent():
         "messages": [[{"role": "user", "content": t}] for t in texts],
         "token_ids": token_ids,
         "tensors": [torch.tensor(ids) for ids in token_ids],
-        "dataset": Dataset.from_dict({"prompt": texts}),
     }
+    if is_available("datasets"):  # the `trl` extra; every other form is compared without it
+        from datasets import Dataset
+
+        forms["dataset"] = Dataset.from_dict({"prompt": texts})
     options = dict(num_sequences=6, max_new_tokens=4, batch_size=4, seed=5, show_progress=False)
     anchors = {form: estimate_fisher(model, tokenizer, prompts, **options) for form, prompts in forms.items()}
     reference = anchors["token_ids"]

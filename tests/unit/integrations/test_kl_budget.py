@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from support.extras import needs
 from support.tiny import anchor_for, tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, train
 from transformers import Trainer, TrainerCallback
@@ -72,6 +72,9 @@ def test_bad_budget_arguments_are_refused(kwargs, match):
 
 
 def test_a_budget_on_lora_adapted_weights_is_refused_at_train_begin(tmp_path):
+    needs("peft")
+    from peft import LoraConfig, get_peft_model
+
     peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     callback = CFPCallback(anchor_for(tiny_llama()), kl_budget=0.1)
     with pytest.raises(CFPArgumentError, match="LoRA-adapted"):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from support.anchors import random_anchor
+from support.extras import needs
 from support.references import drift_reference
 from support.tiny import tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args
@@ -74,6 +75,7 @@ def test_state_dict_of_a_lora_run_resumes_the_same_path_bit_for_bit():
     """On a PeftModel (LoRA on q_proj and v_proj), the state_dict carries the LoRA factors at train begin (s0, B0,
     A0, on the CPU) besides theta0: the resumed run ends bit for bit where the uninterrupted one ends, while a run
     that starts CFP afresh at the halfway weights (factors B0 = B at step 2) ends elsewhere."""
+    needs("peft")
     from peft import LoraConfig, get_peft_model
 
     base, rows = tiny_llama(), full_batch_rows()

@@ -1,11 +1,14 @@
 """The Axolotl plugin against Axolotl's own code (0.19, installed without its dependencies by scripts/setup.sh for
-dev): `load_plugin` finds it, `validate_config` merges the cfp_* keys into Axolotl's config schema and refuses a
-bad one naming it, and `PluginManager.add_callbacks_pre_trainer` returns the CFPCallback the keys describe."""
+dev with trl and peft): `load_plugin` finds it, `validate_config` merges the cfp_* keys into Axolotl's config
+schema and refuses a bad one naming it, and `PluginManager.add_callbacks_pre_trainer` returns the CFPCallback the
+keys describe."""
 
 import pytest
+from support.extras import needs
 from support.tiny import anchor_for, tiny_llama
 
-pytest.importorskip("axolotl.integrations.base", reason="the plugin test needs axolotl (scripts/setup.sh dev)")
+needs("peft", "datasets")  # Axolotl's plugin and config code import both
+pytest.importorskip("axolotl.integrations.base", reason="needs axolotl (scripts/setup.sh dev,trl,peft installs it)")
 
 from axolotl.integrations.base import BasePlugin, PluginManager, load_plugin  # noqa: E402
 from axolotl.utils.config import validate_config  # noqa: E402
@@ -26,7 +29,7 @@ def axolotl_config(tmp_path):
     PluginManager.get_instance().register(PLUGIN)
     return {
         "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",  # a name only: nothing is loaded
-        "datasets": [{"path": "hf_cfp/demo/data/pirate_style.jsonl", "type": "alpaca"}],
+        "datasets": [{"path": "hf_cfp/loading/data/pirate_style.jsonl", "type": "alpaca"}],
         "micro_batch_size": 2,
         "gradient_accumulation_steps": 1,
         "learning_rate": 1e-4,

@@ -3,13 +3,13 @@
 
 import pytest
 from support.anchors import same_anchor
+from support.extras import needs
 from support.tiny import anchor_for, tiny_llama
-from trl import TrlParser
 
 from hf_cfp import CFPArgumentError, CFPConfig, FisherAnchor
-from hf_cfp.demo.bundled import calibration_prompts
 from hf_cfp.integrations.resolve import PendingAnchor
 from hf_cfp.launch.config import CONFIG_KEYS
+from hf_cfp.loading.prompts import calibration_prompts
 
 
 @pytest.fixture
@@ -66,6 +66,9 @@ def test_recheck_reads_its_prompt_source(anchors):
 
 
 def test_yaml_then_command_line_as_trl_reads_them(anchors, tmp_path):
+    needs("trl")
+    from trl import TrlParser
+
     config = tmp_path / "cfg.yaml"
     config.write_text(
         f"cfp_anchor: [{anchors['math']}, {anchors['code']}]\ncfp_lam: 1.0\ncfp_free_fraction: 0.9\n"

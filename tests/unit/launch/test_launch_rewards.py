@@ -2,7 +2,7 @@
 built-in names and dotted import paths."""
 
 import pytest
-from trl.rewards import think_format_reward
+from support.extras import needs
 
 from hf_cfp import CFPArgumentError
 from hf_cfp.launch.rewards import brevity, last_number_matches, resolve_rewards
@@ -27,6 +27,9 @@ def test_brevity_is_minus_the_length_over_100():
 
 
 def test_rewards_by_name_by_import_path_and_a_reward_model_first():
+    needs("trl")
+    from trl.rewards import think_format_reward
+
     rewards = resolve_rewards(["brevity", "trl.rewards.think_format_reward"], reward_model="org/reward-model")
     assert rewards == ["org/reward-model", brevity, think_format_reward]
     assert resolve_rewards(["last_number_matches"]) == [last_number_matches]

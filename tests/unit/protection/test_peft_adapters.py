@@ -9,13 +9,17 @@ import math
 
 import pytest
 import torch
-from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model
-from support.references import assert_metrics_match, drift_reference, train_a_little
-from support.tiny import anchor_for, tiny_llama, tiny_tokenizer
-from support.training import last_cfp_logs, short_run
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState
+from support.extras import needs
 
-from hf_cfp import (
+needs("peft")
+
+from peft import IA3Config, LoraConfig, PromptTuningConfig, get_peft_model  # noqa: E402
+from support.references import assert_metrics_match, drift_reference, train_a_little  # noqa: E402
+from support.tiny import anchor_for, tiny_llama, tiny_tokenizer  # noqa: E402
+from support.training import last_cfp_logs, short_run  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState  # noqa: E402
+
+from hf_cfp import (  # noqa: E402
     AnchorMismatchError,
     CFPArgumentError,
     CFPCallback,
@@ -24,8 +28,8 @@ from hf_cfp import (
     FisherAnchor,
     estimate_fisher,
 )
-from hf_cfp.anchor.fingerprint import model_fingerprint
-from hf_cfp.protection import SavedTheta0, save_theta0
+from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
+from hf_cfp.protection import SavedTheta0, save_theta0  # noqa: E402
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
 

@@ -1,4 +1,5 @@
-"""Bundled data (`data/*.jsonl`), for three capabilities and the demo's off-capability task.
+"""Prompts and pairs from bundled sets (`data/*.jsonl`) or the user's files: three capabilities and the demo's
+off-capability task (torch-free: `hf-cfp --help` reads `CALIBRATION_SETS`).
 
 Per capability in `CALIBRATION_SETS`, 32 calibration prompts (`<name>.jsonl`) and 24 held-out items
 with reference answers (`<name>_eval.jsonl`), disjoint from the calibration prompts:

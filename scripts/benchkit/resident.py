@@ -1,9 +1,13 @@
 """Peak resident memory of a call, read from Linux's /proc/self (tracemalloc does not see torch's allocations)."""
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TypeVar
+
+import torch
+
+from hf_cfp.anchor.statistics import fisher_statistics
 
 T = TypeVar("T")
 
@@ -24,3 +28,13 @@ def peak_rss_increase(call: Callable[[], T]) -> tuple[T, int]:
     before = _status_bytes("VmRSS")
     result = call()
     return result, _status_bytes("VmHWM") - before
+
+
+def statistics_peak_vs_anchor(fisher: Mapping[str, torch.Tensor]) -> float:
+    """(A + P) / A for A = the bytes of the tensors of `fisher` (numel x element size, already resident) and
+    P = the rise of the process's peak resident set while `fisher_statistics(fisher)` runs
+    (`peak_rss_increase`): the statistics' peak memory in units of the anchor's own size.
+    Call it in a fresh process that holds the anchor and little else (Linux)."""
+    size = sum(t.numel() * t.element_size() for t in fisher.values())
+    _, peak = peak_rss_increase(lambda: fisher_statistics(fisher))
+    return (size + max(peak, 0)) / size

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
+from evidence import KLPenaltySFTTrainer
 from support.tiny import tiny_llama
 from support.training import full_batch_rows, full_batch_trainer_args
 from transformers import Trainer
 
 from hf_cfp import CFPArgumentError
-from hf_cfp.evidence import KLPenaltySFTTrainer
 
 
 def masked_rows():

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from evidence import isotropic_anchor
 from support.anchors import random_anchor
 from support.tiny import tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args
@@ -13,7 +14,6 @@ from transformers import Trainer
 
 from hf_cfp import CFPCallback, FisherAnchor
 from hf_cfp.anchor import model_fingerprint
-from hf_cfp.evidence import isotropic_anchor
 
 
 def plain_mean(anchor):

@@ -5,8 +5,11 @@ import json
 from pathlib import Path
 
 import pytest
+from support.extras import needs
 
-from hf_cfp.evidence.run import read_results
+needs("trl", "datasets")
+
+from evidence.run import read_results  # noqa: E402
 
 SCRIPT = Path(__file__).parents[2] / "scripts" / "budget_table.py"
 

@@ -20,8 +20,7 @@ The task (the pirate-style pairs, base log-probs taken once):
 
 import torch
 
-from ..demo.bundled import eval_items, pirate_preference_triples, pirate_style_pairs
-from ..evaluation import (
+from hf_cfp.evaluation import (
     BaseResponses,
     answer_log_probs,
     draw_base_responses,
@@ -29,6 +28,8 @@ from ..evaluation import (
     reference_log_likelihood,
     refusal_rate,
 )
+from hf_cfp.loading.prompts import eval_items, pirate_preference_triples, pirate_style_pairs
+
 from .plan import DOMAINS, Plan
 
 # what "task progress" means for each optimizer (higher is better)

@@ -6,11 +6,15 @@ import math
 
 import pytest
 import torch
+from support.extras import needs
 
-from hf_cfp import FisherAnchor
-from hf_cfp.evidence.plan import DOMAINS, EMBEDDED, TINY, Arm
-from hf_cfp.evidence.report import capability_table, drift_table, frontier_points, row_label
-from hf_cfp.evidence.run import pooled
+needs("trl", "datasets")
+
+from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm  # noqa: E402
+from evidence.report import capability_table, drift_table, frontier_points, row_label  # noqa: E402
+from evidence.run import pooled  # noqa: E402
+
+from hf_cfp import FisherAnchor  # noqa: E402
 
 
 def test_every_arm_is_unique_and_later_seeds_repeat_only_the_table_rows():

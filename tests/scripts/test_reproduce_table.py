@@ -11,8 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.extras import needs
 
-from hf_cfp.evidence.plan import TINY
+needs("trl", "datasets")
+
+from evidence.plan import TINY  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from ..anchor import FisherAnchor
-from ..demo.bundled import calibration_prompts, eval_items, pirate_preference_triples, pirate_style_pairs
-from ..demo.models import load_causal_lm, tiny_llama, tiny_tokenizer
-from ..fisher import estimate_fisher
+from hf_cfp.anchor import FisherAnchor
+from hf_cfp.fisher import estimate_fisher
+from hf_cfp.loading.models import load_causal_lm, tiny_llama, tiny_tokenizer
+from hf_cfp.loading.prompts import calibration_prompts, eval_items, pirate_preference_triples, pirate_style_pairs
+
 from .controls import isotropic_anchor
 from .measure import CapabilityProbe
 from .plan import DOMAINS, Plan

@@ -16,12 +16,12 @@ import torch.nn.functional as nnf
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from ..anchor import FisherAnchor, check_fingerprint
-from ..errors import CFPArgumentError, CFPError
-from ..integrations.strength import check_lam
-from ..ops import proximal_pull_
-from ..parallel.deepspeed import uses_deepspeed
-from ..protection import bind_anchor, peft_view
+from hf_cfp.anchor import FisherAnchor, check_fingerprint
+from hf_cfp.errors import CFPArgumentError, CFPError
+from hf_cfp.integrations.strength import check_lam
+from hf_cfp.ops import proximal_pull_
+from hf_cfp.parallel.deepspeed import uses_deepspeed
+from hf_cfp.protection import bind_anchor, peft_view
 
 IGNORE_INDEX = -100  # the label of positions the cross-entropy skips (transformers' convention)
 

