@@ -35,7 +35,7 @@ if has deepspeed; then
   DS_ACCELERATOR=cpu python -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null
 fi
 python -c "
-import importlib.metadata as m, torch, transformers, hf_cfp
+import importlib.metadata as m, torch, transformers, hf_cfp, hf_cfp.imports
 trl = m.version('trl') if hf_cfp.imports.is_trl_available() else 'not installed'
 print('hf-cfp', hf_cfp.__version__, '| torch', torch.__version__, '(CUDA', torch.version.cuda or 'none', end=') ')
 print('| transformers', transformers.__version__, '| trl', trl)"
