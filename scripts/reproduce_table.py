@@ -1,7 +1,7 @@
 """Reproduce the structure of the paper's table on the embedded SmolLM2-135M (or a tiny random model).
 
     python scripts/reproduce_table.py --tiny              # the whole pipeline in about a minute
-    python scripts/reproduce_table.py --plot              # the embedded model (see README "Evidence")
+    python scripts/reproduce_table.py --plot              # the embedded model (docs/reports/evidence.md)
 
 Rows are methods (unregularized, KL control, CFP with the math / code / safety anchors, step-only,
 isotropic), columns are domains; each arm is trained with SFT and with DPO (TRL) from the same weights,

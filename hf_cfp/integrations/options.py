@@ -65,8 +65,8 @@ class ProtectionOptions:
         help="The strength lam >= 0 (one per protecting anchor, or one for all), or a schedule `step -> lam` called "
         "with the optimizer step just taken (1-based); each step theta <- theta0 + (theta - theta0) / "
         "(1 + sum_k lam_k F_k). Defaults to `1.0` unless `kl_budget` is given. Its meaning depends on the Fisher's "
-        "scale: lam * F_i = 1 halves coordinate i's displacement each step (see the README on choosing lam). The "
-        "paper uses 1 for PPO and 10 for DPO.",
+        "scale: lam * F_i = 1 halves coordinate i's displacement each step (see the guide on choosing the strength, "
+        "docs/guides/strength.md). The paper uses 1 for PPO and 10 for DPO.",
     )
     kl_budget: float | Sequence[float] | None = option(
         None,
