@@ -69,3 +69,4 @@ class KroneckerSums:
     def factors(self, num_tokens: float, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, G) = (S_A / T, S_G / N) on the CPU."""
         return (self.a_sum / num_tokens).cpu(), (self.g_sum / num_sequences).cpu()
+

@@ -32,7 +32,7 @@ def sequence_outer_products(model, prompt, response, temperature=1.0, top_k=None
             handle.remove()
     start = len(prompt)
     log_mu = sum(ref_log_mu(logits[start + t - 1], temperature, top_k)[y] for t, y in enumerate(response))
-    if not math.isfinite(float(log_mu)):  # holds a token the sampler never draws: probability 0
+    if not math.isfinite(float(log_mu.detach())):  # holds a token the sampler never draws: probability 0
         return None
     outputs = [seen[name][1] for name in linears]
     grads = torch.autograd.grad(log_mu, outputs, allow_unused=True)
