@@ -14,10 +14,19 @@ from .kfac_factors import KroneckerSums, kfac_kind
 
 
 def kfac_weights(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, nn.Module]:
-    """The covered weights that carry Kronecker factors (`kfac_kind`), by name, with their module, in `named`'s
-    order; every other covered parameter keeps a diagonal F."""
-    owner = {id(m.weight): m for m in model.modules() if kfac_kind(m) is not None}
-    return {name: owner[id(p)] for name, p in named if id(p) in owner}
+    """The covered weights that carry Kronecker factors, by name, with their module, in `named`'s order: the
+    weight of a `kfac_kind` module that no other module owns (a weight tied to an embedding, GPT-2's lm_head, is
+    used as a lookup too, and keeps a diagonal F like every other covered parameter)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for _, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+    factored = {}
+    for name, p in named:
+        found = owners.get(id(p), [])
+        if len(found) == 1 and kfac_kind(found[0]) is not None and found[0].weight is p:
+            factored[name] = found[0]
+    return factored
 
 
 class KroneckerFisherSums:
