@@ -160,3 +160,19 @@ def refuse_unsolvable(
             "sparse keeps the top coordinates of a diagonal F; a protecting K-FAC anchor has none on its factored "
             "weights. Use sparse=None with a K-FAC anchor (kfac_rank truncates it instead)."
         )
+
+
+def adapted_kronecker_squares(adapted: Sequence[AdaptedTensor], views: Mapping[str, AnchorView]) -> torch.Tensor:
+    """The K-FAC anchors' sensitive and free sums over the LoRA-adapted weights they factor, float64 [1 + 2V] in the
+    metric order (nothing at 0: `peft_adapters.adapted_drift_sq` sums every adapted weight's Delta_W^2): the
+    merged displacement Delta_W = s B A - s0 B0 A0 in the base weight's eigenbases (one process holds it whole)."""
+    sums = torch.zeros(1 + 2 * len(views), dtype=torch.float64)
+    for v, (name, view) in enumerate(views.items()):
+        for record in (a for a in adapted if name in a.kfac):
+            delta = record.weight.in_factor_orientation(record.weight.displacement())
+            complete, local = kfac_drift_squares(
+                [delta], [torch.zeros_like(delta)], [record.kfac[name]], view.threshold
+            )
+            sums[1 + 2 * v] += complete[0]
+            sums[2 + 2 * v] += complete[1] + local[0]
+    return sums

@@ -18,7 +18,7 @@ from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
 from .binding import bind_anchor
 from .diagonal import Chained, DiagonalTensors, pull_profile, sparse_correction
-from .kronecker import KroneckerTensors, refuse_unsolvable
+from .kronecker import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
 from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
 from .peft_adapters import adapted_drift_sq, peft_view
@@ -107,7 +107,7 @@ class CFPState:
         self.model, self.memory, self.protecting = model, memory, names
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
-        self.adapted, self.adapters = [a.weight for a in adapted], adapters
+        self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
         ]
@@ -234,6 +234,7 @@ class CFPState:
             replicated, shard_sums = replicated + kfac_replicated, shard_sums + kfac_sharded
         if self.adapted:  # LoRA-adapted weights (not sharded): replicated sums
             replicated += adapted_drift_sq(self.adapted, self._adapted_views)
+            replicated += adapted_kronecker_squares(self._adapted, self.views)
         device = self.diagonal.drift_shard_device
         if device is not None:
             shard_sums = shard_sums.to(device)
@@ -252,6 +253,9 @@ class CFPState:
 def _adapter_correction(adapted: list[AdaptedTensor], protecting: list[str], rule: str) -> AdapterCorrection:
     """The correction of the adapted weights some protecting anchor covers, with each protecting anchor's F."""
     covered = [a for a in adapted if any(name in a.fisher for name in protecting)]
+    factored = [  # a K-FAC protecting anchor covers its weights alone (`kronecker.refuse_unsolvable`)
+        (a.weight, k, a.kfac[name]) for a in adapted for k, name in enumerate(protecting) if name in a.kfac
+    ]
     return AdapterCorrection(
-        [a.weight for a in covered], [[a.fisher.get(name) for name in protecting] for a in covered], rule
+        [a.weight for a in covered], [[a.fisher.get(name) for name in protecting] for a in covered], rule, factored
     )
