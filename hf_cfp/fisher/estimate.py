@@ -157,8 +157,14 @@ def estimate_fisher(
     settings = SamplingSettings.resolve(model, tokenizer, sampler, max_new_tokens, eos_token_id, seed)
     plan = CalibrationPlan(num_sequences, batch_size, num_samples_per_prompt, *process_rank_and_count())
     named = named_parameters_once(model, trainable_only=trainable_only)
-    diagonal = partial(DiagonalSums, num_sequences=num_sequences, half=plan.half, engine=engine,
-                       sampler=settings.sampler, pad_id=settings.pad_id)
+    diagonal = partial(
+        DiagonalSums,
+        num_sequences=num_sequences,
+        half=plan.half,
+        engine=engine,
+        sampler=settings.sampler,
+        pad_id=settings.pad_id,
+    )
     sums: FisherSums = (
         KroneckerFisherSums(model, list(named), diagonal, kfac_rank, name) if structure == "kfac" else diagonal(named)
     )

@@ -28,7 +28,7 @@ MAX_DIMENSION = 16384  # a weight with a larger input or output keeps its diagon
 
 
 def kfac_kind(module: nn.Module) -> str | None:
-    """"linear" or "conv1d" when `module`'s weight can carry Kronecker factors, else None."""
+    """ "linear" or "conv1d" when `module`'s weight can carry Kronecker factors, else None."""
     kind = module_kind(module)
     if kind not in ("linear", "conv1d"):
         return None
@@ -69,4 +69,3 @@ class KroneckerSums:
     def factors(self, num_tokens: float, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, G) = (S_A / T, S_G / N) on the CPU."""
         return (self.a_sum / num_tokens).cpu(), (self.g_sum / num_sequences).cpu()
-

@@ -60,8 +60,15 @@ class KroneckerFisherSums:
         diagonal = self.diagonal
         accumulators = [*sums, *([None] * len(self.sums))]
         diagonal.score(
-            model, self.params, accumulators, prompts, responses, diagonal.sampler, diagonal.pad_id,
-            supports=supports, kronecker=kronecker,
+            model,
+            self.params,
+            accumulators,
+            prompts,
+            responses,
+            diagonal.sampler,
+            diagonal.pad_id,
+            supports=supports,
+            kronecker=kronecker,
         )
         self.tokens += sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
 
