@@ -100,8 +100,10 @@ def report(name: str, args: argparse.Namespace) -> None:
             f"| {label} | {per_param * params / GB:.1f} GB | {traffic * params / GB:.1f} GB moved | "
             f"{seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
         )
-    for label, counted in ((f"K-FAC, full rank (dimensions <= {MAX_DIMENSION})", full),
-                           (f"K-FAC, kfac_rank={args.kfac_rank}", truncated)):
+    for label, counted in (
+        (f"K-FAC, full rank (dimensions <= {MAX_DIMENSION})", full),
+        (f"K-FAC, kfac_rank={args.kfac_rank}", truncated),
+    ):
         memory = 2 * params + 4 * counted.basis_floats + 4 * counted.diagonal_params
         seconds = counted.kfac_flops / (args.tf32_tflops * 1e12 * args.efficiency)
         seconds += 10 * counted.diagonal_params / bandwidth

@@ -18,8 +18,16 @@ from hf_cfp.names import LAM, PREDICTED_KL
 
 def kfac_anchor(model, name="math"):
     return estimate_fisher(
-        model, None, [[1, 2, 3], [4, 5, 6]], num_sequences=6, max_new_tokens=4, batch_size=3, seed=0,
-        structure="kfac", show_progress=False, name=name,
+        model,
+        None,
+        [[1, 2, 3], [4, 5, 6]],
+        num_sequences=6,
+        max_new_tokens=4,
+        batch_size=3,
+        seed=0,
+        structure="kfac",
+        show_progress=False,
+        name=name,
     )
 
 
@@ -32,8 +40,16 @@ class Crash(TrainerCallback):
 def run(output_dir, anchor_dir, extra=(), resume=None, **callback_kwargs):
     model = tiny_llama()
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=6, save_steps=2, per_device_train_batch_size=4, learning_rate=3e-2,
-        use_cpu=True, report_to="none", logging_steps=1, seed=0, disable_tqdm=True,
+        output_dir=str(output_dir),
+        max_steps=6,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=3e-2,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
     )
     cfp = CFPCallback(str(anchor_dir), **callback_kwargs)
     trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
@@ -79,8 +95,11 @@ def test_loop_api_state_dict_resumes_bit_for_bit(anchor_dir):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     protector = CFP(model, str(anchor_dir), lam=100.0, optimizer=optimizer)
     steps(model, protector, optimizer, 2)
-    saved = (protector.state_dict(), {n: p.detach().clone() for n, p in model.named_parameters()},
-             copy.deepcopy(optimizer.state_dict()))  # the optimizer's state tensors change in place
+    saved = (
+        protector.state_dict(),
+        {n: p.detach().clone() for n, p in model.named_parameters()},
+        copy.deepcopy(optimizer.state_dict()),
+    )  # the optimizer's state tensors change in place
     steps(model, protector, optimizer, 2)
     straight = {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -120,12 +139,26 @@ def test_trl_dpo_runs_with_a_kfac_anchor(anchor_dir, tmp_path):
         {"prompt": ["a b", "c d"] * 2, "chosen": [" e f", " g h"] * 2, "rejected": [" i j", " k l"] * 2}
     )
     args = trl.DPOConfig(
-        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, use_cpu=True,
-        bf16=False, gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no",
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
     )
     cfp = CFPCallback(str(anchor_dir), lam=100.0)
-    trainer = trl.DPOTrainer(model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=pairs,
-                             processing_class=tokenizer, callbacks=[cfp])
+    trainer = trl.DPOTrainer(
+        model=model,
+        ref_model=copy.deepcopy(model),
+        args=args,
+        train_dataset=pairs,
+        processing_class=tokenizer,
+        callbacks=[cfp],
+    )
     trainer.train()
     logged = [row for row in trainer.state.log_history if PREDICTED_KL.key("math") in row]
     assert logged and logged[-1][PREDICTED_KL.key("math")] > 0

@@ -95,8 +95,16 @@ def estimate_kfac_anchor(model):
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
     return estimate_fisher(
-        model, None, prompts, num_sequences=8, max_new_tokens=6, batch_size=2, seed=0, structure="kfac",
-        show_progress=False, name="math",
+        model,
+        None,
+        prompts,
+        num_sequences=8,
+        max_new_tokens=6,
+        batch_size=2,
+        seed=0,
+        structure="kfac",
+        show_progress=False,
+        name="math",
     )
 
 

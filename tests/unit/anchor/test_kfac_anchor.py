@@ -23,7 +23,10 @@ def small_kfac_anchor(name="math", seed=0) -> FisherAnchor:
         {"norm.weight": torch.rand(4, generator=torch.Generator().manual_seed(seed))},
         name=name,
         metadata={"base_model": "org/base", "num_tokens": 10.0},
-        kfac={"proj.weight": (psd(4, seed + 1), psd(3, seed + 2)), "head.weight": (psd(3, seed + 3), psd(5, seed + 4))},
+        kfac={
+            "proj.weight": (psd(4, seed + 1), psd(3, seed + 2)),
+            "head.weight": (psd(3, seed + 3), psd(5, seed + 4)),
+        },
     )
 
 
@@ -90,8 +93,15 @@ def test_combine_of_two_halves_is_the_estimate_on_all_the_sequences():
 
     def estimate(part, name):
         return estimate_fisher(
-            model, None, [prompts[i] for i in part], num_sequences=len(part), estimator="empirical",
-            responses=[responses[i] for i in part], structure="kfac", show_progress=False, name=name,
+            model,
+            None,
+            [prompts[i] for i in part],
+            num_sequences=len(part),
+            estimator="empirical",
+            responses=[responses[i] for i in part],
+            structure="kfac",
+            show_progress=False,
+            name=name,
         )
 
     whole = estimate(range(4), "whole")
@@ -104,18 +114,28 @@ def test_combine_of_two_halves_is_the_estimate_on_all_the_sequences():
 
 def test_combine_and_compare_refuse_mixed_structures_and_truncated_parts():
     kfac = small_kfac_anchor()
-    diagonal = FisherAnchor({"norm.weight": torch.ones(4), "proj.weight": torch.ones(3, 4),
-                             "head.weight": torch.ones(5, 3)}, name="flat", metadata={"base_model": "org/base"})
+    diagonal = FisherAnchor(
+        {"norm.weight": torch.ones(4), "proj.weight": torch.ones(3, 4), "head.weight": torch.ones(5, 3)},
+        name="flat",
+        metadata={"base_model": "org/base"},
+    )
     with pytest.raises(AnchorMismatchError, match="factor different weights"):
         FisherAnchor.combine([kfac, diagonal])
     with pytest.raises(AnchorMismatchError, match="Kronecker-factored.*diagonal"):
         compare_anchors(kfac, diagonal)
     truncated = FisherAnchor(
-        {"norm.weight": torch.ones(4)}, name="t", metadata={"base_model": "org/base", "num_tokens": 3.0},
-        kfac={"proj.weight": kfac.kfac["proj.weight"].__class__(
-            kfac.kfac["proj.weight"].a_vectors[:, :2], kfac.kfac["proj.weight"].a_values[:2],
-            kfac.kfac["proj.weight"].g_vectors, kfac.kfac["proj.weight"].g_values),
-            "head.weight": kfac.kfac["head.weight"]},
+        {"norm.weight": torch.ones(4)},
+        name="t",
+        metadata={"base_model": "org/base", "num_tokens": 3.0},
+        kfac={
+            "proj.weight": kfac.kfac["proj.weight"].__class__(
+                kfac.kfac["proj.weight"].a_vectors[:, :2],
+                kfac.kfac["proj.weight"].a_values[:2],
+                kfac.kfac["proj.weight"].g_vectors,
+                kfac.kfac["proj.weight"].g_values,
+            ),
+            "head.weight": kfac.kfac["head.weight"],
+        },
     )
     with pytest.raises(CFPArgumentError, match="truncated"):
         FisherAnchor.combine([kfac, truncated])

@@ -35,8 +35,16 @@ def test_factors_on_given_sequences_equal_the_per_token_loop(engine):
     prompts = [[1, 4, 2, 7], [5, 9], [3, 3, 8]]
     responses = [[6, 2, 11], [7], [1, 2, 3, 4, 5]]
     anchor = estimate_fisher(
-        model, None, prompts, num_sequences=3, batch_size=3, estimator="empirical", responses=responses,
-        engine=engine, structure="kfac", show_progress=False,
+        model,
+        None,
+        prompts,
+        num_sequences=3,
+        batch_size=3,
+        estimator="empirical",
+        responses=responses,
+        engine=engine,
+        structure="kfac",
+        show_progress=False,
     )
     reference = loop_factors(model, prompts, responses)
     weights = linear_weights(model)
@@ -66,8 +74,16 @@ def test_diagonal_part_is_the_diagonal_estimate_bit_for_bit():
 def test_factors_match_exact_enumeration_under_the_sampler(sampler):
     model = enum_model()
     anchor = estimate_fisher(
-        model, None, PROMPTS, num_sequences=4000, max_new_tokens=T, batch_size=64, seed=0, show_progress=False,
-        structure="kfac", **sampler,
+        model,
+        None,
+        PROMPTS,
+        num_sequences=4000,
+        max_new_tokens=T,
+        batch_size=64,
+        seed=0,
+        show_progress=False,
+        structure="kfac",
+        **sampler,
     )
     exact = exact_factors(model, PROMPTS, temperature=sampler.get("temperature", 1.0), top_k=sampler.get("top_k"))
     for module, weight in linear_weights(model).items():

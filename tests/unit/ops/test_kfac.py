@@ -128,8 +128,11 @@ def test_row_sharded_rotation_and_pull_equal_one_process():
         def reduce(tensors, rank=rank):  # the all-reduce: add the other process's partial sum
             tensors[0].add_(partials[1 - rank])
 
-        assert torch.allclose(rotated_displacements([proposal[r]], [theta0[r]], [shard], reduce)[0],
-                              whole.rotate(proposal - theta0), atol=1e-5)
+        assert torch.allclose(
+            rotated_displacements([proposal[r]], [theta0[r]], [shard], reduce)[0],
+            whole.rotate(proposal - theta0),
+            atol=1e-5,
+        )
         local = proposal[r].clone()
         kfac_pull_([local], [theta0[r]], [shard], 4.0, reduce=reduce)
         assert torch.allclose(local, expected[r], atol=1e-6)

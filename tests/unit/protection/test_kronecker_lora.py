@@ -20,16 +20,26 @@ def lora_setup(seed=0):
     base = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=seed)
     weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
     anchor = estimate_fisher(
-        base, None, [[1, 2, 3], [4, 5]], num_sequences=6, max_new_tokens=4, seed=seed, structure="kfac",
-        show_progress=False, name="math",
+        base,
+        None,
+        [[1, 2, 3], [4, 5]],
+        num_sequences=6,
+        max_new_tokens=4,
+        seed=seed,
+        structure="kfac",
+        show_progress=False,
+        name="math",
     )
     model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"))
     return weights, anchor, model
 
 
 def lora_layers(model):
-    return {n.replace("base_model.model.", "") + ".weight": m for n, m in model.named_modules() if hasattr(m, "lora_A")
-            and "default" in getattr(m, "lora_A", {})}
+    return {
+        n.replace("base_model.model.", "") + ".weight": m
+        for n, m in model.named_modules()
+        if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {})
+    }
 
 
 def test_b_is_the_dense_proximal_minimizer_and_the_metrics_are_the_merged_quadratic():

@@ -17,8 +17,17 @@ from hf_cfp.protection import CFPState
 
 def kfac_anchor(model, name="math", rank=None, seed=0):
     return estimate_fisher(
-        model, None, [[1, 2, 3], [4, 5, 6, 7]], num_sequences=6, max_new_tokens=4, batch_size=3, seed=seed,
-        structure="kfac", kfac_rank=rank, show_progress=False, name=name,
+        model,
+        None,
+        [[1, 2, 3], [4, 5, 6, 7]],
+        num_sequences=6,
+        max_new_tokens=4,
+        batch_size=3,
+        seed=seed,
+        structure="kfac",
+        kfac_rank=rank,
+        show_progress=False,
+        name=name,
     )
 
 
@@ -134,13 +143,16 @@ def test_kl_budget_holds_the_dense_quadratic():
 def test_a_diagonal_monitor_and_a_kfac_protector_share_the_model():
     model = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=8)
     kfac = kfac_anchor(model, name="math")
-    diagonal = estimate_fisher(model, None, [[1, 2, 3]], num_sequences=4, max_new_tokens=3, show_progress=False,
-                               name="code")
+    diagonal = estimate_fisher(
+        model, None, [[1, 2, 3]], num_sequences=4, max_new_tokens=3, show_progress=False, name="code"
+    )
     state = CFPState(model, kfac, monitors=[diagonal])
     theta0, _ = propose(model, seed=4)
     metrics = state.drift_metrics()
-    want = sum(float((f.double() * (p.detach().double() - theta0[n]).square()).sum())
-               for (n, p), f in ((item, diagonal.fisher[item[0]]) for item in model.named_parameters()))
+    want = sum(
+        float((f.double() * (p.detach().double() - theta0[n]).square()).sum())
+        for (n, p), f in ((item, diagonal.fisher[item[0]]) for item in model.named_parameters())
+    )
     assert metrics[SENSITIVE_DRIFT.key("code")] == pytest.approx(math.sqrt(want), rel=1e-5)
 
 
