@@ -16,7 +16,7 @@ from ..names import canonical_name
 from ..ops.kfac import KroneckerBasis
 from .card import render_card
 from .combine import combine_parts
-from .config import CONFIG_NAME, FORMAT_VERSION, read_config
+from .config import CONFIG_NAME, FORMAT_VERSION, directory_config
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
 from .kfac import AnchorWeights, basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
 from .lazy import LazyFisher, fisher_shape
@@ -276,21 +276,7 @@ class FisherAnchor:
 
     @classmethod
     def _load_directory(cls, directory: Path, lazy: bool) -> "FisherAnchor":
-        if not directory.exists():
-            raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}: no such local folder exists (relative paths start "
-                f"from {os.getcwd()!r}). Check the path, or save an anchor there with anchor.save_pretrained(). "
-                "As it reads as a local path it was not looked up on the Hub; Hub references look like "
-                "'org/model:cfp/math'."
-            )
-        if not directory.is_dir():
-            raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}: it is a file; give the folder that holds "
-                f"{CONFIG_NAME} and fisher.safetensors."
-            )
-        if not (directory / CONFIG_NAME).is_file():
-            raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
-        config = read_config(directory / CONFIG_NAME)
+        config = directory_config(directory)
         name, metadata = config["name"], config.get("metadata")
         if lazy:
             fisher, bases = split_stored(stored_tensors(directory), name, lazy=True)

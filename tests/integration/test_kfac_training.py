@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from support.hub_server import no_backoff_sleep  # noqa: F401  (the local Hub fixture's retries)
+from support.extras import needs
 from support.tiny import tiny_llama, tiny_tokenizer
 from support.training import lm_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -129,8 +129,10 @@ def test_pushed_and_pulled_from_the_hub_it_protects_as_the_original(local_hub, t
 
 
 def test_trl_dpo_runs_with_a_kfac_anchor(anchor_dir, tmp_path):
-    trl = pytest.importorskip("trl", reason="TRL's DPOTrainer needs the trl extra")
-    datasets = pytest.importorskip("datasets", reason="TRL's trainers need the datasets package (trl extra)")
+    needs("trl", "datasets")
+    import datasets
+    import trl
+
     tokenizer = tiny_tokenizer()
     model = tiny_llama(vocab_size=len(tokenizer))
     anchor_dir = tmp_path / "anchor"

@@ -7,11 +7,15 @@ import math
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from support.extras import needs
 from support.tiny import tiny_llama
 
-from hf_cfp import CFPArgumentError, CFPState, estimate_fisher
-from hf_cfp.names import ADAPTER_RESIDUAL, SENSITIVE_DRIFT
+needs("peft")
+
+from peft import LoraConfig, get_peft_model  # noqa: E402  (after the skip: peft is an extra)
+
+from hf_cfp import CFPArgumentError, CFPState, estimate_fisher  # noqa: E402
+from hf_cfp.names import ADAPTER_RESIDUAL, SENSITIVE_DRIFT  # noqa: E402
 
 LAM = 20.0
 
