@@ -3,7 +3,6 @@
 import json
 import math
 import os
-import re
 import tempfile
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
@@ -16,25 +15,21 @@ from ..names import canonical_name
 from ..ops.kfac import KroneckerBasis
 from .card import render_card
 from .combine import combine_parts
-from .config import CONFIG_NAME, FORMAT_VERSION, directory_config
+from .config import CONFIG_NAME, FORMAT_VERSION, directory_config, validate_anchor_name
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
-from .kfac import AnchorWeights, basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
+from .kfac import (
+    AnchorWeights,
+    basis_tensors,
+    dense_factors,
+    kfac_summary,
+    kronecker_bases,
+    split_stored,
+    weight_shape,
+)
 from .lazy import LazyFisher, fisher_shape
 from .statistics import concentration, fisher_statistics, module_type_shares
 from .storage import read_tensors, stored_tensors, temporary_path, write_tensors
 from .values import check_fisher_values
-
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-def validate_anchor_name(name: str) -> str:
-    """Anchor names become metric keys and Hub paths: letters, digits, `_`, `.`, `-`; no `..`."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
-        raise AnchorValidationError(
-            f"Anchor name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit and without '..' (e.g. 'math', 'code-v2')."
-        )
-    return name
 
 
 class FisherAnchor:
@@ -91,6 +86,8 @@ class FisherAnchor:
             **dict(metadata or {}),
             "statistics": self.statistics(),
             "module_types": module_type_shares(AnchorWeights(tensors, self.kfac)),
+            "structure": self.structure,
+            **({"kfac": kfac_summary(self.kfac)} if self.kfac else {}),
         }
 
     @property

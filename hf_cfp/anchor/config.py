@@ -3,9 +3,10 @@ that `hf-cfp inspect` summarizes a local anchor without loading torch)."""
 
 import json
 import os
+import re
 from pathlib import Path
 
-from ..errors import AnchorFormatError, AnchorNotFoundError
+from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "cfp_config.json"
@@ -59,3 +60,16 @@ def directory_config(directory: Path) -> dict:
     if not (directory / CONFIG_NAME).is_file():
         raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
     return read_config(directory / CONFIG_NAME)
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_anchor_name(name: str) -> str:
+    """Anchor names become metric keys and Hub paths: letters, digits, `_`, `.`, `-`; no `..`."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise AnchorValidationError(
+            f"Anchor name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit and without '..' (e.g. 'math', 'code-v2')."
+        )
+    return name

@@ -285,3 +285,13 @@ def factor_cosines(a: Mapping[str, KroneckerBasis], b: Mapping[str, KroneckerBas
             norms = float(x.norm() * y.norm())
             sums[which] += float((x * y).sum()) / norms if norms > 0 else 0.0
     return {which: total / max(len(a), 1) for which, total in sums.items()}
+
+
+def kfac_summary(bases: Mapping[str, KroneckerBasis]) -> dict:
+    """What `hf-cfp inspect` shows of the K-FAC part without reading it: {"weights": how many are factored,
+    "ranks": the distinct numbers of eigenpairs kept per factor, "stored_floats": eigenvectors and eigenvalues}."""
+    ranks = sorted(
+        {int(b.a_values.numel()) for b in bases.values()} | {int(b.g_values.numel()) for b in bases.values()}
+    )
+    floats = sum(t.numel() for b in bases.values() for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values))
+    return {"weights": len(bases), "ranks": ranks, "stored_floats": floats}
