@@ -185,7 +185,7 @@ class FisherAnchor:
         try:
             with open(staged_config, "x") as handle:
                 json.dump(config, handle, indent=2, sort_keys=True)
-            stored = ChainMap(self.fisher, basis_tensors(self.kfac))  # F, then K-FAC bases under `kfac/` keys
+            stored = ChainMap(dict(self.fisher), basis_tensors(self.kfac))  # F, then K-FAC bases under `kfac/` keys
             write_tensors(
                 directory, stored, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
             )

@@ -77,8 +77,8 @@ def _pooled_factors(anchors: list[NamedFisher], weights: list[float]) -> dict[st
     pooled = {}
     for name in first.kfac:
         parts = [dense_factors(p.kfac[name]) for p in anchors]
-        a = sum(t * pa.double() for t, (pa, _) in zip(tokens, parts, strict=True)) / sum(tokens)
-        g = sum(w * pg.double() for w, (_, pg) in zip(weights, parts, strict=True))
+        a = torch.stack([t * pa.double() for t, (pa, _) in zip(tokens, parts, strict=True)]).sum(0) / sum(tokens)
+        g = torch.stack([w * pg.double() for w, (_, pg) in zip(weights, parts, strict=True)]).sum(0)
         pooled[name] = (a, g)
     return pooled
 

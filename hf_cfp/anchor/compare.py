@@ -11,6 +11,7 @@ import torch
 
 from ..errors import AnchorMismatchError
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
+from ..ops.kfac import KroneckerBasis
 from .kfac import ImpliedDiagonal, factor_cosines
 from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses
@@ -127,7 +128,8 @@ class _Implied:
     """A K-FAC anchor seen as its implied diagonal (a `NamedFisher` without K-FAC part)."""
 
     def __init__(self, anchor: NamedFisher):
-        self.name, self.metadata, self.kfac = anchor.name, anchor.metadata, {}
+        self.name, self.metadata = anchor.name, anchor.metadata
+        self.kfac: dict[str, KroneckerBasis] = {}
         self.fisher = ImpliedDiagonal(anchor.fisher, anchor.kfac)
 
 

@@ -50,13 +50,13 @@ def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, suppo
             add_batched_squared_scores(
                 model,
                 [params[i] for i in factored],
-                [None] * len(factored),
+                [None] * len(factored),  # type: ignore[list-item]  # no squares for the factored weights
                 [prompt],
                 [response],
                 sampler,
                 pad_id,
                 supports=[support],
-                kronecker={j: kronecker[i] for j, i in enumerate(factored)},  # type: ignore[index]
+                kronecker={j: kronecker[i] for j, i in enumerate(factored)} if kronecker else None,
             )
 
 

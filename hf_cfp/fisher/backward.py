@@ -69,6 +69,7 @@ class Consumer:
         x, call.x = call.x.detach(), None
         for role, i in self._covered(call):
             if i in self.kronecker:
+                assert self.mask is not None  # set with the Kronecker sums (`add_kronecker`)
                 self.kronecker[i].add_output_grads(g, self.mask)
                 continue
             self.pending.setdefault(i, []).append(Use(kind, role, x, g, call.module))

@@ -209,7 +209,8 @@ class _Tracer:
     formed once for consecutive calls on the same input (q, k and v projections read one tensor)."""
 
     def __init__(self, owners, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor):
-        self.owners, self.calls, self.busy = owners, [], False
+        self.owners, self.busy = owners, False
+        self.calls: list[_Call] = []
         self.kronecker, self.mask = kronecker, mask
         self.last_gram: tuple[object, torch.Tensor | None] = (None, None)  # (input, its Gram matrix)
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in owners]

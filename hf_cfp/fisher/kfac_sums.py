@@ -19,9 +19,9 @@ def kfac_weights(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) ->
     used as a lookup too, and keeps a diagonal F like every other covered parameter)."""
     owners: dict[int, list[nn.Module]] = {}
     for module in model.modules():
-        for _, p in module.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append(module)
-    factored = {}
+        for _, own in module.named_parameters(recurse=False):
+            owners.setdefault(id(own), []).append(module)
+    factored: dict[str, nn.Module] = {}
     for name, p in named:
         found = owners.get(id(p), [])
         if len(found) == 1 and kfac_kind(found[0]) is not None and found[0].weight is p:
@@ -48,8 +48,8 @@ class KroneckerFisherSums:
         factored = kfac_weights(model, named)
         self.diagonal = diagonal([(n, p) for n, p in named if n not in factored])
         self.names = list(factored)
-        self.weights = [m.weight for m in factored.values()]
-        self.sums = [KroneckerSums.zeros(*_in_and_out(m), m.weight.device) for m in factored.values()]
+        self.weights: list[torch.Tensor] = [m.weight for m in factored.values()]  # type: ignore[misc]
+        self.sums = [KroneckerSums.zeros(*_in_and_out(m), w.device) for m, w in zip(factored.values(), self.weights)]
         self.params = [*self.diagonal.params, *self.weights]
         self.tokens = torch.zeros(1, dtype=torch.float64)
         self.rank, self.anchor_name = rank, anchor_name
@@ -80,12 +80,12 @@ class KroneckerFisherSums:
         statistics)."""
         fisher, _, reliability = self.diagonal.finish()
         bases = {}
-        last: tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None] = (None, None)
+        last_a: torch.Tensor | None = None
         for name, sums in zip(self.names, self.sums, strict=True):
             a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
-            if last[1] is None or last[0] is None or not torch.equal(a, last[0]):
-                last = (a, eigenbasis(name, "A", a, self.anchor_name, self.rank))
-            alpha, q_a = (t.clone() for t in last[1])  # each weight's own tensors (safetensors refuses shared ones)
+            if last_a is None or not torch.equal(a, last_a):
+                last_a, (alpha_a, vectors_a) = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
+            alpha, q_a = alpha_a.clone(), vectors_a.clone()  # own tensors: safetensors refuses shared ones
             gamma, q_g = eigenbasis(name, "G", g, self.anchor_name, self.rank)
             bases[name] = KroneckerBasis(q_a, alpha, q_g, gamma)
         self.sums = []
@@ -94,5 +94,5 @@ class KroneckerFisherSums:
 
 def _in_and_out(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear-like module (nn.Linear's weight is out x in, Conv1D's in x out)."""
-    rows, columns = module.weight.shape
+    rows, columns = module.weight.shape  # type: ignore[misc]
     return (rows, columns) if isinstance(module, Conv1D) else (columns, rows)

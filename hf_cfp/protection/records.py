@@ -100,9 +100,12 @@ def track(
     state), each anchor's F, and each K-FAC anchor's basis."""
     kronecker = kronecker or {}
     first: dict[int, BoundTensor | BoundKronecker] = {}
-    for tensors in (*bound.values(), *kronecker.values()):
+    for tensors in bound.values():
         for t in tensors:
             first.setdefault(id(t.param), t)
+    for factored in kronecker.values():
+        for k in factored:
+            first.setdefault(id(k.param), k)
     fisher: dict[int, dict[str, torch.Tensor]] = {key: {} for key in first}
     bases: dict[int, dict[str, KroneckerBasis]] = {key: {} for key in first}
     for anchor, tensors in bound.items():
