@@ -10,8 +10,8 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import AnchorMismatchError
-from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
 from ..ops.kfac import KroneckerBasis
+from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
 from .kfac import ImpliedDiagonal, factor_cosines
 from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses

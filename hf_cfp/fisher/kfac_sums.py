@@ -49,7 +49,10 @@ class KroneckerFisherSums:
         self.diagonal = diagonal([(n, p) for n, p in named if n not in factored])
         self.names = list(factored)
         self.weights: list[torch.Tensor] = [m.weight for m in factored.values()]  # type: ignore[misc]
-        self.sums = [KroneckerSums.zeros(*_in_and_out(m), w.device) for m, w in zip(factored.values(), self.weights)]
+        self.sums = [
+            KroneckerSums.zeros(*_in_and_out(m), w.device)
+            for m, w in zip(factored.values(), self.weights, strict=True)
+        ]
         self.params = [*self.diagonal.params, *self.weights]
         self.tokens = torch.zeros(1, dtype=torch.float64)
         self.rank, self.anchor_name = rank, anchor_name
