@@ -11,13 +11,14 @@ from typing import TYPE_CHECKING
 from ..exports import lazy_exports
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
-    from .artifact import FisherAnchor, validate_anchor_name
+    from .artifact import FisherAnchor
+    from .config import validate_anchor_name
     from .fingerprint import check_fingerprint, model_fingerprint
 
 # public name -> the module that defines it, imported when the name is first read
 _LAZY_EXPORTS = {
     "FisherAnchor": "artifact",
-    "validate_anchor_name": "artifact",
+    "validate_anchor_name": "config",
     "check_fingerprint": "fingerprint",
     "model_fingerprint": "fingerprint",
 }

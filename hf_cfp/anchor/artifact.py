@@ -1,9 +1,10 @@
 """FisherAnchor: a capability's diagonal Fisher at theta0, with provenance, saved as safetensors + JSON."""
 
 import json
+import math
 import os
-import re
 import tempfile
+from collections import ChainMap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -11,52 +12,63 @@ import torch
 
 from ..errors import AnchorNotFoundError, AnchorValidationError
 from ..names import canonical_name
+from ..ops.kfac import KroneckerBasis
 from .card import render_card
 from .combine import combine_parts
-from .config import CONFIG_NAME, FORMAT_VERSION, read_config
+from .config import CONFIG_NAME, FORMAT_VERSION, directory_config, validate_anchor_name
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
+from .kfac import (
+    AnchorWeights,
+    basis_tensors,
+    dense_factors,
+    kfac_summary,
+    kronecker_bases,
+    split_stored,
+    weight_shape,
+)
 from .lazy import LazyFisher, fisher_shape
 from .statistics import concentration, fisher_statistics, module_type_shares
 from .storage import read_tensors, stored_tensors, temporary_path, write_tensors
 from .values import check_fisher_values
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-
-
-def validate_anchor_name(name: str) -> str:
-    """Anchor names become metric keys and Hub paths: letters, digits, `_`, `.`, `-`; no `..`."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
-        raise AnchorValidationError(
-            f"Anchor name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit and without '..' (e.g. 'math', 'code-v2')."
-        )
-    return name
-
 
 class FisherAnchor:
-    """The diagonal output Fisher of one capability at the initial weights theta0.
+    """The output Fisher of one capability at the initial weights theta0: diagonal, or Kronecker-factored.
 
     F_i = E_{x ~ prompts, y ~ pi_theta0(.|x)} [ (d/dtheta_i log pi(y|x))^2 ], one float32 CPU
-    tensor per parameter, keyed by canonical parameter names (wrapper prefixes removed).
+    tensor per parameter, keyed by canonical parameter names (wrapper prefixes removed). A K-FAC anchor
+    (`structure == "kfac"`) keeps, for each of its Linear-like weights W (out x in, `kfac_names`), F_W ~ A (x) G
+    as the eigenbases of A (in x in) and G (out x out) (`kfac`, `kfac_factors`), and the diagonal F of every other
+    covered parameter in `fisher`.
 
     Args:
         fisher: parameter name -> non-negative finite tensor of the parameter's shape; or a `LazyFisher`
             (`from_pretrained(..., lazy=True)`), kept as is: its values are checked as they are read, and
             `metadata["statistics"]` stays as saved when present (else computed, streaming from the files).
         name: capability name used in metric keys (`cfp/<name>/sensitive_drift`).
+        kfac: weight name -> its Kronecker factors, dense `(A, G)` (checked: finite, symmetric, positive
+            semi-definite; decomposed once) or a `KroneckerBasis` (checked: orthonormal, eigenvalues >= 0); None
+            (default) for a diagonal anchor.
         metadata: provenance (base model, sampler, number of sequences, prompt fingerprint...). An anchor in
             memory sets `metadata["statistics"]` and `metadata["module_types"]` (each module type's share of the
             mass, `statistics.module_type_shares`) from its tensors, replacing any given; a lazy one keeps those
             it was saved with (an anchor saved before `module_types` existed has none).
 
     Raises:
-        AnchorValidationError: no tensors, a NaN, infinite or negative value (named with its parameter), or a name
-            that cannot be a metric key and Hub path.
+        AnchorValidationError: no tensors, a NaN, infinite or negative value (named with its parameter), a K-FAC
+            factor that is not a finite symmetric PSD matrix, or a name that cannot be a metric key and Hub path.
     """
 
-    def __init__(self, fisher: Mapping[str, torch.Tensor], name: str = "anchor", metadata: Mapping | None = None):
+    def __init__(
+        self,
+        fisher: Mapping[str, torch.Tensor],
+        name: str = "anchor",
+        metadata: Mapping | None = None,
+        kfac: Mapping | None = None,
+    ):
         self.name = validate_anchor_name(name)
-        if not fisher:
+        self.kfac: Mapping[str, KroneckerBasis] = kronecker_bases(kfac, self.name)
+        if not fisher and not self.kfac:
             raise AnchorValidationError(f"Anchor {name!r} has no tensors; pass fisher={{param_name: tensor, ...}}.")
         self.fisher: Mapping[str, torch.Tensor]
         if isinstance(fisher, LazyFisher):
@@ -73,8 +85,34 @@ class FisherAnchor:
         self.metadata = {
             **dict(metadata or {}),
             "statistics": self.statistics(),
-            "module_types": module_type_shares(tensors),
+            "module_types": module_type_shares(AnchorWeights(tensors, self.kfac)),
+            "structure": self.structure,
+            **({"kfac": kfac_summary(self.kfac)} if self.kfac else {}),
         }
+
+    @property
+    def structure(self) -> str:
+        """`"kfac"` when the anchor keeps Kronecker factors for some weights, else `"diagonal"`."""
+        return "kfac" if self.kfac else "diagonal"
+
+    @property
+    def kfac_names(self) -> list[str]:
+        """The weights whose F is Kronecker-factored (none for a diagonal anchor)."""
+        return list(self.kfac)
+
+    def kfac_factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The dense factors (A, G) of K-FAC weight `name`, float32 (in x in, out x out), rebuilt from the stored
+        eigenbases: Q diag(lambda) Q^T (rank-r matrices when the anchor was truncated to r eigenpairs).
+
+        Raises:
+            KeyError: `name` is not one of `kfac_names`.
+        """
+        if name not in self.kfac:
+            raise KeyError(
+                f"Anchor {self.name!r} has no Kronecker factors for {name!r}; its K-FAC weights are "
+                f"kfac_names ({len(self.kfac)} of them)."
+            )
+        return dense_factors(self.kfac[name])
 
     def statistics(self) -> dict:
         """Size, scale and concentration of F (`statistics.fisher_statistics`): parameter count,
@@ -83,12 +121,12 @@ class FisherAnchor:
         Returns:
             `dict`: the statistics by name (JSON-serializable; also stored in `metadata["statistics"]`).
         """
-        return fisher_statistics(self.fisher)
+        return fisher_statistics(AnchorWeights(self.fisher, self.kfac))
 
     def concentration(self) -> dict:
         """How concentrated F's mass is (`statistics.concentration`): the share of sum_i F_i in the top 0.1 / 1 /
         5% of coordinates, and per module type. Reads every tensor (twice for the top shares)."""
-        return concentration(self.fisher)
+        return concentration(AnchorWeights(self.fisher, self.kfac))
 
     @classmethod
     def combine(
@@ -118,8 +156,8 @@ class FisherAnchor:
             CFPArgumentError: no anchors, or weights of the wrong count, negative, non-finite or all 0.
             AnchorMismatchError: the parts differ in tensor names, shapes or base-model metadata.
         """
-        fisher, metadata = combine_parts(anchors, weights)
-        return cls(fisher, name=name, metadata=metadata)
+        fisher, metadata, kfac = combine_parts(anchors, weights)
+        return cls(fisher, name=name, metadata=metadata, kfac=kfac)
 
     def save_pretrained(
         self, save_directory: str | os.PathLike, max_shard_size: int | str = "5GB", dtype: str = "float32"
@@ -147,8 +185,9 @@ class FisherAnchor:
         try:
             with open(staged_config, "x") as handle:
                 json.dump(config, handle, indent=2, sort_keys=True)
+            stored = ChainMap(dict(self.fisher), basis_tensors(self.kfac))  # F, then K-FAC bases under `kfac/` keys
             write_tensors(
-                directory, self.fisher, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
+                directory, stored, max_shard_size=max_shard_size, dtype=dtype, metadata={"cfp_anchor": self.name}
             )
             os.replace(staged_config, directory / CONFIG_NAME)
         finally:
@@ -234,25 +273,13 @@ class FisherAnchor:
 
     @classmethod
     def _load_directory(cls, directory: Path, lazy: bool) -> "FisherAnchor":
-        if not directory.exists():
-            raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}: no such local folder exists (relative paths start "
-                f"from {os.getcwd()!r}). Check the path, or save an anchor there with anchor.save_pretrained(). "
-                "As it reads as a local path it was not looked up on the Hub; Hub references look like "
-                "'org/model:cfp/math'."
-            )
-        if not directory.is_dir():
-            raise AnchorNotFoundError(
-                f"No anchor directory at {str(directory)!r}: it is a file; give the folder that holds "
-                f"{CONFIG_NAME} and fisher.safetensors."
-            )
-        if not (directory / CONFIG_NAME).is_file():
-            raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
-        config = read_config(directory / CONFIG_NAME)
+        config = directory_config(directory)
         name, metadata = config["name"], config.get("metadata")
         if lazy:
-            return cls(LazyFisher(stored_tensors(directory), name), name=name, metadata=metadata)
-        return cls(read_tensors(directory), name=name, metadata=metadata)
+            fisher, bases = split_stored(stored_tensors(directory), name, lazy=True)
+            return cls(LazyFisher(fisher, name), name=name, metadata=metadata, kfac=bases)
+        fisher, bases = split_stored(read_tensors(directory), name, lazy=False)
+        return cls(fisher, name=name, metadata=metadata, kfac=bases)
 
     def push_to_hub(
         self,
@@ -311,4 +338,10 @@ class FisherAnchor:
 
     def __repr__(self) -> str:
         count = sum(fisher_shape(self.fisher, name).numel() for name in self.fisher)
+        if self.kfac:
+            count += sum(math.prod(weight_shape(self.kfac, name)) for name in self.kfac)
+            return (
+                f"FisherAnchor(name={self.name!r}, structure='kfac', kfac_weights={len(self.kfac)}, "
+                f"tensors={len(self.fisher)}, coordinates={count})"
+            )
         return f"FisherAnchor(name={self.name!r}, tensors={len(self.fisher)}, coordinates={count})"

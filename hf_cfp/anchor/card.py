@@ -5,6 +5,7 @@ from importlib import resources
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from .kfac import AnchorWeights
 from .protocol import NamedFisher
 from .statistics import concentration
 
@@ -18,13 +19,17 @@ def render_card(anchor: NamedFisher, reference: str) -> ModelCard:
     card_data = ModelCardData(
         base_model=base if base and "/" in base and " " not in base else None, library_name="hf-cfp", tags=TAGS
     )
-    shape = concentration(anchor.fisher)
+    shape = concentration(AnchorWeights(anchor.fisher, anchor.kfac))
+    ranks = {int(b.a_vectors.shape[1]) for b in anchor.kfac.values()} if anchor.kfac else set()
     template = resources.files(__package__).joinpath("templates/fisher_anchor.md").read_text(encoding="utf-8")
     return ModelCard.from_template(
         card_data,
         template_str=template,
         name=anchor.name,
         reference=reference,
+        kfac_weights=len(anchor.kfac),
+        kfac_rank=meta.get("kfac_rank") or "full",
+        kfac_input_ranks=sorted(ranks),
         base_model=base,
         base_revision=meta.get("base_model_revision"),
         num_prompts=meta.get("num_prompts", "?"),

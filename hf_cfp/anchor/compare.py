@@ -10,7 +10,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import AnchorMismatchError
+from ..ops.kfac import KroneckerBasis
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
+from .kfac import ImpliedDiagonal, factor_cosines
 from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses
 
@@ -87,8 +89,21 @@ def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
       `statistics.module_type_masses`: the parameter's module name, e.g. `q_proj`, `embed_tokens`),
       ordered by the larger of the two shares.
 
-    Raises AnchorMismatchError when the tensor names or shapes differ.
+    Two K-FAC anchors are compared on the diagonal of A (x) G beside their diagonal F (`kfac.ImpliedDiagonal`:
+    their eigenbases need not agree), and `factor_cosine` adds the mean cosine of their dense A and G factors.
+
+    Raises AnchorMismatchError when the tensor names or shapes differ, or one anchor is K-FAC and the other not.
     """
+    if bool(a.kfac) != bool(b.kfac):
+        kfac, diagonal = (a, b) if a.kfac else (b, a)
+        raise AnchorMismatchError(
+            f"Anchor {kfac.name!r} is Kronecker-factored (structure 'kfac') and {diagonal.name!r} is diagonal: their "
+            "coordinates do not correspond. Compare two anchors of one structure (estimate both with the same "
+            "--structure)."
+        )
+    if a.kfac:
+        found = compare_anchors(_Implied(a), _Implied(b))
+        return {**found, "factor_cosine": factor_cosines(a.kfac, {n: b.kfac[n] for n in a.kfac})}
     difference = layout_difference(a.fisher, b.fisher)
     if difference is not None:
         raise AnchorMismatchError(
@@ -107,6 +122,15 @@ def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
         "cosine": cosine(fa, fb),
         "module_types": [{"type": k, "share_a": shares_a.get(k, 0.0), "share_b": shares_b.get(k, 0.0)} for k in kinds],
     }
+
+
+class _Implied:
+    """A K-FAC anchor seen as its implied diagonal (a `NamedFisher` without K-FAC part)."""
+
+    def __init__(self, anchor: NamedFisher):
+        self.name, self.metadata = anchor.name, anchor.metadata
+        self.kfac: dict[str, KroneckerBasis] = {}
+        self.fisher = ImpliedDiagonal(anchor.fisher, anchor.kfac)
 
 
 def _shares(fisher: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -2,9 +2,11 @@
 that `hf-cfp inspect` summarizes a local anchor without loading torch)."""
 
 import json
+import os
+import re
 from pathlib import Path
 
-from ..errors import AnchorFormatError
+from ..errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "cfp_config.json"
@@ -33,3 +35,41 @@ def read_config(path: Path) -> dict:
             f"{FORMAT_VERSION}. Upgrade hf-cfp or re-save the anchor."
         )
     return config
+
+
+def directory_config(directory: Path) -> dict:
+    """The config of the anchor saved in `directory` (`read_config`), after checking there is one.
+
+    Raises:
+        AnchorNotFoundError: no such folder, a file, or a folder without `cfp_config.json` (the message says what
+            was looked for, and that a local-looking path is never looked up on the Hub).
+        AnchorFormatError: as `read_config`.
+    """
+    if not directory.exists():
+        raise AnchorNotFoundError(
+            f"No anchor directory at {str(directory)!r}: no such local folder exists (relative paths start "
+            f"from {os.getcwd()!r}). Check the path, or save an anchor there with anchor.save_pretrained(). "
+            "As it reads as a local path it was not looked up on the Hub; Hub references look like "
+            "'org/model:cfp/math'."
+        )
+    if not directory.is_dir():
+        raise AnchorNotFoundError(
+            f"No anchor directory at {str(directory)!r}: it is a file; give the folder that holds "
+            f"{CONFIG_NAME} and fisher.safetensors."
+        )
+    if not (directory / CONFIG_NAME).is_file():
+        raise AnchorNotFoundError(f"{str(directory)!r} is not an anchor: {CONFIG_NAME} is missing.")
+    return read_config(directory / CONFIG_NAME)
+
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def validate_anchor_name(name: str) -> str:
+    """Anchor names become metric keys and Hub paths: letters, digits, `_`, `.`, `-`; no `..`."""
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise AnchorValidationError(
+            f"Anchor name {name!r} is not allowed: use 1-64 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit and without '..' (e.g. 'math', 'code-v2')."
+        )
+    return name

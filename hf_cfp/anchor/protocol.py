@@ -6,15 +6,21 @@ from typing import Any, Protocol
 
 import torch
 
+from ..ops.kfac import KroneckerBasis
+
 
 class NamedFisher(Protocol):
-    """An anchor as its helpers read it: its name, F by canonical parameter name, and its metadata."""
+    """An anchor as its helpers read it: its name, F by canonical parameter name, the K-FAC bases of its factored
+    weights (empty for a diagonal anchor), and its metadata."""
 
     @property
     def name(self) -> str: ...
 
     @property
     def fisher(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def kfac(self) -> Mapping[str, KroneckerBasis]: ...
 
     @property
     def metadata(self) -> Mapping[str, Any]: ...

@@ -37,7 +37,8 @@ def push(args) -> None:
 
 
 def compare(args) -> None:
-    """Print `compare_anchors` of two anchors: top-set overlaps, cosine, and mass per module type."""
+    """Print `compare_anchors` of two anchors: top-set overlaps, cosine, mass per module type (for two K-FAC anchors
+    over the diagonal of A (x) G, then the factors' mean cosines)."""
     a, b = (FisherAnchor.from_pretrained(ref, local_files_only=args.offline) for ref in (args.a, args.b))
     result = compare_anchors(a, b)
     width = max([len(row["type"]) for row in result["module_types"]] + [30]) + 2
@@ -50,3 +51,9 @@ def compare(args) -> None:
     )
     for row in result["module_types"]:
         print(f"{row['type']:<{width}}{row['share_a']:>9.2%}{row['share_b']:>9.2%}")
+    if "factor_cosine" in result:  # two K-FAC anchors: compared on the diagonal of A (x) G, and factor by factor
+        cosines = result["factor_cosine"]
+        print(
+            f"\nK-FAC factors, mean over weights: cosine(A_A, A_B) {cosines['A']:.6f}, "
+            f"cosine(G_A, G_B) {cosines['G']:.6f}"
+        )

@@ -26,6 +26,8 @@ def run(args) -> None:
     except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
         raise CFPArgumentError(f"--name: {error}") from None
     Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
+    if args.kfac_rank is not None and args.structure != "kfac":
+        raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
     prompts = load_prompts(args.prompts)
     check_model_source(args.model)  # last: the embedded model's check needs an installed extra
     state = PartialState()  # joins the process group under `accelerate launch` / torchrun
@@ -47,6 +49,8 @@ def run(args) -> None:
         engine=args.engine,
         num_samples_per_prompt=args.num_samples_per_prompt,
         scoring_tokens=args.scoring_tokens,
+        structure=args.structure,
+        kfac_rank=args.kfac_rank,
     )
     if state.is_main_process:
         anchor.save_pretrained(args.output)

@@ -131,6 +131,16 @@ def _add_estimate(commands, debug) -> None:
     estimate.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1.0: no truncation)")
     estimate.add_argument("--estimator", choices=("sequence", "token"), default="sequence")
     estimate.add_argument("--engine", choices=("batched", "loop"), default="batched")
+    estimate.add_argument(
+        "--structure",
+        choices=("diagonal", "kfac"),
+        default="diagonal",
+        help="kfac: Kronecker factors A (x) G for each Linear weight (the interactions inside a layer), diagonal F "
+        "elsewhere",
+    )
+    estimate.add_argument(
+        "--kfac-rank", type=positive_int, default=None, help="with --structure kfac: eigenpairs kept per factor"
+    )
     estimate.set_defaults(handler="estimate:run")
 
 

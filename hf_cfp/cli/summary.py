@@ -5,7 +5,8 @@ Anchor 'math': 134,515,008 coordinates
   estimator      sequence: 16 sequences from 32 prompts (1 per prompt), 45.0 response tokens on average
   sampler        temperature 1.0, top_k none, top_p 1.0, max_new_tokens 48
   statistics     total mass 2.26e+05, mean 0.00168, p99 0.00496, max 1.63e+03; top 1% holds 84.5%
-  lam scale      1 / p99 = 201.6 (README, "Choosing the strength")
+  structure      diagonal
+  lam scale      1 / p99 = 201.6 (docs/guides/strength.md)
   created        2026-11-30T14:51:11+00:00 with hf-cfp 0.1.0
 mass by module type             share   coordinates
   embed_tokens                  23.1%    28,311,552
@@ -39,11 +40,12 @@ def summary_lines(name: str, metadata: Mapping, reference: str) -> list[str]:
     for label, text in (
         ("base model", _base_model(metadata)),
         ("estimator", _estimator(metadata)),
+        ("structure", _structure(metadata)),
         ("sampler", _sampler(metadata)),
         ("statistics", _statistics(stats)),
         (
             "lam scale",
-            f'1 / p99 = {1 / stats["p99"]:.4g} (README, "Choosing the strength")' if stats.get("p99") else None,
+            f"1 / p99 = {1 / stats['p99']:.4g} (docs/guides/strength.md)" if stats.get("p99") else None,
         ),
         ("split-half", _split_half(metadata.get("split_half"))),
         ("created", _created(metadata)),
@@ -72,6 +74,17 @@ def _estimator(metadata: Mapping) -> str:
         f"{metadata['estimator']}: {metadata.get('num_sequences', '?')} sequences from "
         f"{metadata.get('num_prompts', '?')} prompts ({per_prompt} per prompt)"
         + (f", {tokens:.1f} response tokens on average" if isinstance(tokens, (int, float)) else "")
+    )
+
+
+def _structure(metadata: Mapping) -> str | None:
+    kfac = metadata.get("kfac")
+    if metadata.get("structure") != "kfac" or not kfac:
+        return "diagonal" if "structure" in metadata else None
+    ranks = ", ".join(map(str, kfac["ranks"]))
+    return (
+        f"kfac: {kfac['weights']} Linear weights as A (x) G eigenbases (eigenpairs per factor: {ranks}; "
+        f"{kfac['stored_floats']:,} floats), a diagonal F for the other parameters"
     )
 
 

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from ..anchor.compare import split_half
+from ..ops.kfac import KroneckerBasis
 from .batched import add_batched_squared_scores
 from .sampling import Sampler
 from .scoring import add_squared_score, sequence_log_prob
@@ -30,15 +31,33 @@ class FisherSums(Protocol):
         """The tensors summed across processes (in place) before `finish`."""
         ...
 
-    def finish(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """(the anchor's tensors by parameter name, float32 on the CPU; the split-half statistics, or None)."""
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
+        """(the anchor's diagonal F by parameter name, float32 on the CPU; the eigenbases of its Kronecker-factored
+        weights, by name (none for a diagonal estimate); the split-half statistics, or None)."""
         ...
 
 
-def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, supports) -> None:
-    """The plain reference: one forward and backward per sequence, each token scored on its support."""
+def _loop_engine(model, params, sums, prompts, responses, sampler, pad_id, supports, kronecker=None) -> None:
+    """The plain reference: one forward and backward per sequence, each token scored on its support; the
+    Kronecker factor sums of the `kronecker` weights (their sums entry is None) from the batched engine's hooks
+    on one sequence at a time."""
+    squared = [i for i, s in enumerate(sums) if s is not None]
+    factored = list(kronecker or {})
     for prompt, response, support in zip(prompts, responses, supports, strict=True):
-        add_squared_score(sums, params, sequence_log_prob(model, prompt, response, sampler, support))
+        log_prob = sequence_log_prob(model, prompt, response, sampler, support)
+        add_squared_score([sums[i] for i in squared], [params[i] for i in squared], log_prob)
+        if factored:
+            add_batched_squared_scores(
+                model,
+                [params[i] for i in factored],
+                [None] * len(factored),  # type: ignore[list-item]  # no squares for the factored weights
+                [prompt],
+                [response],
+                sampler,
+                pad_id,
+                supports=[support],
+                kronecker={j: kronecker[i] for j, i in enumerate(factored)} if kronecker else None,
+            )
 
 
 ENGINE_FUNCTIONS: dict[str, Callable[..., None]] = {"batched": add_batched_squared_scores, "loop": _loop_engine}
@@ -76,13 +95,13 @@ class DiagonalSums:
     def reduced(self) -> list[torch.Tensor]:
         return [*self.second, *self.first]
 
-    def finish(self) -> tuple[dict[str, torch.Tensor], dict | None]:
-        """F by name and the split-half statistics. S_a is released before F is moved to the CPU (the anchor's
-        statistics need memory of their own)."""
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
+        """F by name, no bases, and the split-half statistics. S_a is released before F is moved to the CPU (the
+        anchor's statistics need memory of their own)."""
         sums = self.second
         reliability = split_half(self.first, sums, self.half, self.num_sequences - self.half) if self.half else None
         if self.half:
             torch._foreach_add_(sums, self.first)
         self.first = []
         fisher = {n: s.div_(self.num_sequences).cpu() for n, s in zip(self.names, sums, strict=True)}
-        return fisher, reliability
+        return fisher, {}, reliability

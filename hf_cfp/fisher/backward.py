@@ -9,9 +9,11 @@ never collected: each is used, then released, while the backward goes on.
 """
 
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
+from .kfac_factors import KroneckerSums
 from .per_sequence_grads import Use, accumulate
 
 __all__ = ["Consumer"]
@@ -29,6 +31,15 @@ class Consumer:
         self.accumulators, self.batch_size, self.max_chunk_elements = accumulators, batch_size, max_chunk_elements
         self.pending: dict[int, list[Use]] = {}
         self.remaining = Counter(i for c in calls for _, i in self._covered(c))
+        self.kronecker: Mapping[int, KroneckerSums] = {}
+        self.mask: torch.Tensor | None = None
+
+    def add_kronecker(self, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor) -> None:
+        """For these weights add S_G += sum g g^T over the unpadded positions (`mask`, (B, T)) of each call's output
+        gradient, instead of their per-sequence squares."""
+        self.kronecker, self.mask = kronecker, mask
+        for i in kronecker:
+            self.remaining.pop(i, None)
 
     def _covered(self, call):
         return [(role, i) for role, i in self.owners[call.module][1].items() if i not in self.fallback]
@@ -57,6 +68,10 @@ class Consumer:
         kind = self.owners[call.module][0]
         x, call.x = call.x.detach(), None
         for role, i in self._covered(call):
+            if i in self.kronecker:
+                assert self.mask is not None  # set with the Kronecker sums (`add_kronecker`)
+                self.kronecker[i].add_output_grads(g, self.mask)
+                continue
             self.pending.setdefault(i, []).append(Use(kind, role, x, g, call.module))
             self.remaining[i] -= 1
             if self.remaining[i] == 0:

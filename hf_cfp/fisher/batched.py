@@ -41,15 +41,17 @@ B is no evidence: an MoE expert called on gathered tokens, ``expert(hidden.view(
 gets (n, H) with rows from any sequences, and n = B happens.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers.utils import logging
 
-from ..errors import CFPArgumentError, plural
+from ..errors import CFPArgumentError, CFPError, plural
 from ..parallel.processes import log_on_main_process
 from .backward import Consumer
+from .kfac_factors import KroneckerSums
 from .memory import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
 from .sampling import Sampler
@@ -70,10 +72,15 @@ def add_batched_squared_scores(
     pad_id: int = 0,
     max_chunk_elements: int | None = None,
     supports: list[torch.Tensor | None] | None = None,
+    kronecker: Mapping[int, KroneckerSums] | None = None,
 ) -> None:
     """accumulators[i] += sum_b (d/dparams[i] log mu(y_b | x_b))^2, exactly, for B sequences in one
     batched forward and backward, where log mu(y|x) = sum_t sampler.log_probs(logits_t)[y_t] over the
     response tokens only (what hf_cfp.fisher.scoring.sequence_log_prob computes for one sequence).
+
+    For the weights in `kronecker` (index -> their `kfac_factors.KroneckerSums`; their accumulator is None) the same
+    pass adds the Kronecker factor sums instead: S_A += sum a a^T over every unpadded position in the forward hook,
+    S_G += sum g g^T in the backward one (`kfac_factors` states the factors).
 
     Args:
         model: a causal LM taking input_ids / attention_mask / position_ids; its train/eval mode
@@ -93,15 +100,18 @@ def add_batched_squared_scores(
         supports: the support of mu each response token was drawn from, packed, one entry per
             response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
             A response token of probability 0 under mu raises CFPArgumentError.
+        kronecker: the weights whose Kronecker factor sums are added, by index into `params` (a Linear-like
+            module's weight, `kfac_factors.kfac_kind`); CFPError when one cannot be hooked (used outside its module).
     """
     _check_batch(params, accumulators, prompts, responses)
+    kronecker = kronecker or {}
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
     batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device, supports)
     owners, fallback = _find_owners(model, params, live)
 
-    tracer = _Tracer(owners)
+    tracer = _Tracer(owners, kronecker, batch.mask.bool())
     try:
         logits = model(
             input_ids=batch.ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=False
@@ -114,6 +124,7 @@ def add_batched_squared_scores(
     calls = [c for c in tracer.calls if isinstance(c.out, torch.Tensor) and c.out.requires_grad]
     fallback |= _invalid_call_params(calls, owners, tuple(batch.ids.shape))
     fallback |= _params_used_elsewhere(total, calls, owners, params, live, fallback)
+    _refuse_kronecker_fallback(model, params, fallback, kronecker)
     _log_fallback(model, params, fallback)
 
     calls = [c for c in calls if c.reachable and any(i not in fallback for i in owners[c.module][1].values())]
@@ -121,7 +132,9 @@ def add_batched_squared_scores(
     if max_chunk_elements is None:
         max_chunk_elements = default_chunk_elements(batch.ids.device)
     if calls:
-        Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements).backward(total)
+        consumer = Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements)
+        consumer.add_kronecker(kronecker, batch.mask.bool())
+        consumer.backward(total)
     del total, calls
 
     if fallback:  # the plain, exact loop, for the parameters the hooks cannot handle
@@ -191,10 +204,15 @@ class _Call:
 
 
 class _Tracer:
-    """Forward hooks on the covered modules that record every call."""
+    """Forward hooks on the covered modules that record every call, and add the Kronecker input sums
+    S_A += sum_t a a^T of the `kronecker` weights over the unpadded positions (`mask`, (B, T)); a Gram matrix is
+    formed once for consecutive calls on the same input (q, k and v projections read one tensor)."""
 
-    def __init__(self, owners):
-        self.owners, self.calls, self.busy = owners, [], False
+    def __init__(self, owners, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor):
+        self.owners, self.busy = owners, False
+        self.calls: list[_Call] = []
+        self.kronecker, self.mask = kronecker, mask
+        self.last_gram: tuple[object, torch.Tensor | None] = (None, None)  # (input, its Gram matrix)
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in owners]
 
     def _hook(self, module, args, kwargs, output):
@@ -208,6 +226,21 @@ class _Tracer:
             finally:
                 self.busy = False
         self.calls.append(_Call(module, x, output, _versions(x, output)))
+        factored = [self.kronecker[i] for i in self.owners[module][1].values() if i in self.kronecker]
+        if factored and isinstance(x, torch.Tensor) and tuple(x.shape[:2]) == tuple(self.mask.shape):
+            gram = self._gram(x)
+            for sums in factored:
+                sums.a_sum.add_(gram)
+
+    @torch.no_grad()
+    def _gram(self, x: torch.Tensor) -> torch.Tensor:
+        """sum over the unpadded positions of x_t x_t^T, float32 (reused when the same input comes again)."""
+        if self.last_gram[0] is not x:
+            rows = x[self.mask].float()
+            self.last_gram = (x, rows.T @ rows)
+        gram = self.last_gram[1]
+        assert gram is not None
+        return gram
 
     def remove(self):
         for handle in self.handles:
@@ -284,6 +317,20 @@ def _graph_uses(root: torch.Tensor, wanted: dict[int, int]):
             else:
                 stack.append(child)
     return counts, seen
+
+
+def _refuse_kronecker_fallback(model, params, fallback, kronecker) -> None:
+    """CFPError naming the Kronecker-factored weights the hooks cannot follow: their factors need every call's
+    input and output gradient, which the per-sequence loop does not see."""
+    refused = sorted(i for i in fallback if i in kronecker)
+    if refused:
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        listed = ", ".join(names.get(id(params[i]), f"params[{i}]") for i in refused)
+        raise CFPError(
+            f"structure='kfac': the weights {listed} are used outside their Linear module (or on activations not "
+            "laid out (batch, time)), so their Kronecker factors cannot be formed. Estimate this model with "
+            "structure='diagonal'."
+        )
 
 
 def _log_fallback(model, params, fallback):

@@ -9,21 +9,22 @@ together, one sample per token for the token estimator (`calibration.ScoringGrou
 
 import contextlib
 from datetime import datetime, timezone
+from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
-from ..errors import CFPArgumentError, plural
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from ..version import __version__
 from .accumulators import ENGINE_FUNCTIONS, DiagonalSums, FisherSums
 from .calibration import CalibrationPlan, ScoringGroups
+from .estimate_checks import check_arguments, check_causal_lm, check_structure, labels_of
+from .kfac_sums import KroneckerFisherSums
 from .prompts import prompts_sha256, to_token_ids
 from .sampling import Sampler, SamplingSettings
 
-ESTIMATORS = ("sequence", "token", "empirical")
 ENGINES = tuple(ENGINE_FUNCTIONS)
 
 
@@ -48,8 +49,11 @@ def estimate_fisher(
     eos_token_id: int | list[int] | None = None,
     show_progress: bool = True,
     scoring_tokens: int = 256,
+    structure: str = "diagonal",
+    kfac_rank: int | None = None,
 ) -> FisherAnchor:
-    """Estimate the diagonal output Fisher of `model` on a capability's prompts.
+    """Estimate the output Fisher of `model` on a capability's prompts: its diagonal, or (structure="kfac")
+    Kronecker factors for its Linear-like weights.
 
     estimator="sequence" (default, on-policy, the paper's definition): for n = 1..N,
     x_n = prompts[(n // num_samples_per_prompt) % len(prompts)], y_n ~ mu(.|x_n) drawn from the
@@ -85,6 +89,17 @@ def estimate_fisher(
     estimator splits by the sequence its tokens come from). It sits beside `metadata["statistics"]`,
     which the anchor recomputes from its tensors alone.
 
+    structure="kfac": on the same sequences, for every Linear-like weight W (out x in; `fisher.kfac_factors`:
+    nn.Linear, GPT-2 Conv1D, both dimensions at most `kfac_factors.MAX_DIMENSION`), with positions t running over
+    every token fed to the scoring forward (prompt and response, T in all), a_t the layer's input and
+    g_t = d log mu(y_n | x_n) / d(layer output at t):
+
+        A = (1/T) sum_{n,t} a a^T,   G = (1/N) sum_{n,t} g g^T,   F_W ~ A (x) G,
+
+    kept as their eigenbases (top `kfac_rank` eigenpairs of each; all by default); every other covered parameter
+    (embeddings, norms, biases, a vocabulary-sized lm_head) keeps its diagonal F above, and the split-half
+    statistics cover that diagonal part. Sequence and empirical estimators only.
+
     Args:
         model: a causal LM (`model(input_ids).logits`); returned in its original train/eval mode,
             with no `.grad` written.
@@ -110,6 +125,9 @@ def estimate_fisher(
             while (sequences x padded length) <= scoring_tokens (at least one sequence): the scoring
             memory grows with these tokens (about 2.6 MB each for a 135M model in float32), so the
             sampling batch does not set it. `calibration.scoring_groups` states the rule.
+        structure: "diagonal" (default) or "kfac" (see above).
+        kfac_rank: with structure="kfac", the eigenpairs kept per factor (None: all); the correction then pulls on
+            the top block alone.
 
     Returns:
         [`FisherAnchor`]: F by canonical parameter name (float32, CPU), named `name`, with its metadata: the
@@ -117,12 +135,15 @@ def estimate_fisher(
         split-half statistics.
 
     Raises:
-        CFPArgumentError: an unknown estimator or engine, a non-positive count or negative seed, a bad sampler
-            setting, no prompts, text prompts without a tokenizer, or `responses` that do not fit the estimator.
+        CFPArgumentError: an unknown estimator, engine or structure, a non-positive count or negative seed, a bad
+            sampler setting, no prompts, text prompts without a tokenizer, `responses` that do not fit the
+            estimator, or K-FAC with the token estimator.
     """
-    _check_arguments(
+    check_structure(structure, kfac_rank, estimator)
+    check_arguments(
         estimator,
         engine,
+        ENGINES,
         num_sequences=num_sequences,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
@@ -132,14 +153,24 @@ def estimate_fisher(
     )
     sampler = Sampler() if estimator == "empirical" else Sampler(temperature, top_k, top_p)
     prompt_ids = to_token_ids(prompts, tokenizer)
-    labels = _labels(responses, tokenizer, len(prompt_ids), estimator)
+    labels = labels_of(responses, tokenizer, len(prompt_ids), estimator)
     settings = SamplingSettings.resolve(model, tokenizer, sampler, max_new_tokens, eos_token_id, seed)
     plan = CalibrationPlan(num_sequences, batch_size, num_samples_per_prompt, *process_rank_and_count())
     named = named_parameters_once(model, trainable_only=trainable_only)
-    sums = DiagonalSums(named, num_sequences, plan.half, engine, settings.sampler, settings.pad_id)
+    diagonal = partial(
+        DiagonalSums,
+        num_sequences=num_sequences,
+        half=plan.half,
+        engine=engine,
+        sampler=settings.sampler,
+        pad_id=settings.pad_id,
+    )
+    sums: FisherSums = (
+        KroneckerFisherSums(model, list(named), diagonal, kfac_rank, name) if structure == "kfac" else diagonal(named)
+    )
     groups = ScoringGroups(estimator == "token", batch_size, scoring_tokens)
     with _evaluating(model):
-        _check_causal_lm(model, prompt_ids[0])
+        check_causal_lm(model, prompt_ids[0])
         disable = not show_progress or plan.rank != 0
         with (
             requiring_grad(sums.params),
@@ -148,7 +179,7 @@ def estimate_fisher(
             source = _OnPolicy(settings, bar) if labels is None else _Given(labels, plan, bar)
             response_tokens = _score_batches(model, prompt_ids, plan, source, groups, sums)
     all_reduce_sum_([*sums.reduced(), response_tokens])
-    fisher, reliability = sums.finish()
+    fisher, bases, reliability = sums.finish()
     metadata = _metadata(
         model,
         estimator,
@@ -160,19 +191,9 @@ def estimate_fisher(
         split_half=reliability,
         trainable_only=trainable_only,
     )
-    return FisherAnchor(fisher, name=name, metadata=metadata)
-
-
-def _check_arguments(estimator: str, engine: str, **counts: int) -> None:
-    """CFPArgumentError for an unknown estimator or engine, or a count that is not an integer >= 1 (the seed: >= 0)."""
-    if estimator not in ESTIMATORS:
-        raise CFPArgumentError(f"estimator must be one of {ESTIMATORS}, got {estimator!r}.")
-    if engine not in ENGINES:
-        raise CFPArgumentError(f"engine must be one of {ENGINES}, got {engine!r}.")
-    for argument, value in counts.items():
-        least = 0 if argument == "seed" else 1
-        if not isinstance(value, int) or isinstance(value, bool) or value < least:
-            raise CFPArgumentError(f"{argument} must be an integer >= {least}, got {value!r}.")
+    if structure == "kfac":
+        metadata.update(structure="kfac", kfac_rank=kfac_rank, num_tokens=float(sums.tokens))  # type: ignore[attr-defined]
+    return FisherAnchor(fisher, name=name, metadata=metadata, kfac=bases)
 
 
 def _score_batches(model, prompt_ids, plan: CalibrationPlan, source, groups: ScoringGroups, sums: FisherSums):
@@ -277,49 +298,6 @@ def _evaluating(model):
         yield
     finally:
         model.train(was_training)
-
-
-def _labels(responses, tokenizer, num_prompts: int, estimator: str):
-    if estimator != "empirical":
-        if responses is not None:
-            raise CFPArgumentError("responses= is only for estimator='empirical'; on-policy sampling draws its own.")
-        return None
-    if responses is None:
-        raise CFPArgumentError("estimator='empirical' needs responses=, one per prompt.")
-    labels = to_token_ids(responses, tokenizer, what="response")
-    if len(labels) != num_prompts:
-        raise CFPArgumentError(
-            f"Got {plural(len(labels), 'response')} for {plural(num_prompts, 'prompt')}; give one per prompt."
-        )
-    return labels
-
-
-_NOT_A_CAUSAL_LM = (
-    "estimate_fisher needs a causal language model: model(input_ids=..., attention_mask=...) must "
-    "return an output with .logits of shape (batch, sequence, vocab), e.g. an AutoModelForCausalLM; "
-)
-
-
-@torch.no_grad()
-def _check_causal_lm(model, prompt: list[int]) -> None:
-    """One forward on one prompt, so a model that cannot generate fails here with a clear error
-    rather than deep inside sampling or scoring. It draws no random numbers (the model is in
-    eval mode), so the anchor is unchanged."""
-    try:
-        device = next(model.parameters()).device
-    except StopIteration:
-        raise CFPArgumentError(_NOT_A_CAUSAL_LM + f"{type(model).__name__} has no parameters.") from None
-    ids = torch.tensor([prompt], device=device)
-    try:
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    except Exception as error:
-        raise CFPArgumentError(
-            _NOT_A_CAUSAL_LM + f"calling {type(model).__name__} failed with {type(error).__name__}: {error}"
-        ) from error
-    logits = getattr(out, "logits", None)
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or tuple(logits.shape[:2]) != tuple(ids.shape):
-        got = f"logits of shape {tuple(logits.shape)}" if isinstance(logits, torch.Tensor) else f"{type(out).__name__}"
-        raise CFPArgumentError(_NOT_A_CAUSAL_LM + f"{type(model).__name__} returned {got}.")
 
 
 @contextlib.contextmanager

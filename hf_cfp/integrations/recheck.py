@@ -55,6 +55,11 @@ class AnchorRecheck:
             now = reestimate(anchor, model, tokenizer, self.prompts[anchor.name])
             overlaps[TOP1_OVERLAP_NOW.key(anchor.name)] = top1_overlap(anchor, now)
             fresh.append(
-                FisherAnchor(now.fisher, name=anchor.name, metadata={**now.metadata, "refreshed_from": anchor.name})
+                FisherAnchor(
+                    now.fisher,
+                    name=anchor.name,
+                    metadata={**now.metadata, "refreshed_from": anchor.name},
+                    kfac=now.kfac or None,
+                )
             )
         return overlaps, fresh if self.refresh else None

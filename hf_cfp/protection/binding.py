@@ -70,7 +70,7 @@ def bind_anchor(
     parameters never move, so they are skipped (one log line says which). A sharded parameter
     (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
     """
-    by_name, pieces = _parameters_by_name(model, names)
+    by_name, pieces = parameters_by_name(model, names)
     bound: list[BoundTensor] = []
     seen: set[int] = set()
     frozen: list[str] = []
@@ -103,7 +103,7 @@ def bind_anchor(
     return bound
 
 
-def _parameters_by_name(
+def parameters_by_name(
     model: torch.nn.Module, names: dict[str, torch.Tensor] | None
 ) -> tuple[dict[str, torch.Tensor], dict[int, FlatPiece]]:
     """(every canonical name, tied aliases included, -> the parameter standing there: FSDP1 flat views by their

@@ -119,15 +119,8 @@ class DiagonalTensors:
         return sharded[0].device if sharded else None
 
     def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
-        """(protected coordinates, the share of them with P = sum_k lam_k F_k > 1, the 99th and the 99.9th
-        percentile of P), P computed a tensor at a time."""
-        rows = self.protected.rows
-        strengths = PullStrengths(rows, lams)
-        count = sum(next(f for f in row if f is not None).numel() for row in rows)
-        if count == 0:
-            return 0, 0.0, 0.0, 0.0
-        halved = sum(int((s > 1).sum()) for s in strengths) / count
-        return count, halved, free_threshold(strengths, 0.99), free_threshold(strengths, 0.999)
+        """`pull_profile` of P = sum_k lam_k F_k over the protected coordinates."""
+        return pull_profile(PullStrengths(self.protected.rows, lams))
 
     def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(theta0 and every anchor's F of every tracked tensor; the sparse correction's kept indices, theta0 and
@@ -137,6 +130,33 @@ class DiagonalTensors:
             return full, []
         kept = [*self.sparse.indices, *self.sparse.theta0]
         return full, kept + [f for row in self.sparse.rows for f in row if f is not None]
+
+
+def pull_profile(strengths: Sequence[torch.Tensor]) -> tuple[int, float, float, float]:
+    """(coordinates, the share of them with P > 1, the 99th and the 99.9th percentile of P) for the pull strengths P
+    of some tensors, read a tensor at a time (a lazy sequence is never held whole)."""
+    count = sum(s.numel() for s in strengths)
+    if count == 0:
+        return 0, 0.0, 0.0, 0.0
+    halved = sum(int((s > 1).sum()) for s in strengths) / count
+    return count, halved, free_threshold(strengths, 0.99), free_threshold(strengths, 0.999)
+
+
+class Chained(Sequence[torch.Tensor]):
+    """Several sequences of tensors read as one, each element computed when read (lazy parts stay lazy)."""
+
+    def __init__(self, *parts: Sequence[torch.Tensor]):
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __getitem__(self, i):  # an integer index
+        for part in self.parts:
+            if i < len(part):
+                return part[i]
+            i -= len(part)
+        raise IndexError(i)
 
 
 def sparse_correction(

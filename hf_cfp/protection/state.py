@@ -12,12 +12,14 @@ import torch
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
-from ..ops import DriftView, solve_budget
+from ..ops import DriftView, PullStrengths, solve_budget
 from ..parallel import all_reduce_sum_
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
 from .binding import bind_anchor
-from .diagonal import DiagonalTensors, sparse_correction
+from .diagonal import Chained, DiagonalTensors, pull_profile, sparse_correction
+from .kronecker import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
+from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
 from .peft_adapters import adapted_drift_sq, peft_view
 from .records import AdaptedTensor, adapted_tensors, anchor_views, track
@@ -78,11 +80,14 @@ class CFPState:
         names = [a.name for a in protecting]
         view = peft_view(model)
         bound = {a.name: bind_anchor(a, model, view.params if view else None, memory.store_fisher) for a in anchors}
+        factored = {a.name: bind_kronecker(a, model, view.params if view else None) for a in anchors if a.kfac}
         adapted = adapted_tensors(view.adapted if view else {}, anchors)
         if adapted and theta0 is not None:
             theta0.restore_lora([a.weight for a in adapted])  # the path's origin: the factors at train begin
-        tracked = track(bound, memory, theta0)
+        tracked = track(bound, memory, theta0, factored)
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
+        kronecker = KroneckerTensors(views, names)
+        refuse_unsolvable(tracked, adapted, names, memory, kronecker)
         sparse, report = (
             sparse_correction(memory, protecting, bound, tracked) if memory.sparse is not None else (None, None)
         )
@@ -94,12 +99,15 @@ class CFPState:
         master = master_correction(
             model, optimizer, params, protected.theta0, protected.rows, followed=adapters.factor_params()
         )
-        if master is not None and sparse is not None:
-            raise CFPArgumentError("sparse is not supported under DeepSpeed ZeRO yet: use a dense memory plan.")
+        if master is not None and (sparse is not None or kronecker):
+            raise CFPArgumentError(
+                "Under DeepSpeed ZeRO, CFP supports dense diagonal anchors only (no sparse plan, no K-FAC anchor): "
+                "use a dense memory plan, a diagonal anchor, or FSDP2 / DDP for a K-FAC anchor."
+            )
         self.model, self.memory, self.protecting = model, memory, names
         self.lams = [0.0] * len(protecting)  # of the last correction
-        self.tensors, self.views, self.diagonal = tracked, views, diagonal
-        self.adapted, self.adapters = [a.weight for a in adapted], adapters
+        self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
+        self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
         ]
@@ -144,6 +152,7 @@ class CFPState:
         else:
             self.adapters.correct(self.lams, measure_residual)
         self.diagonal.correct(self.lams)
+        self.kronecker.correct(self.lams)
         if self.master is not None:
             self.master.correct(self.lams)
 
@@ -155,6 +164,7 @@ class CFPState:
             `tuple[int, int]`: (bytes CFP keeps beside the parameters, bytes it keeps offloaded to CPU memory).
         """
         full, kept = self.diagonal.kept()
+        full += self.kronecker.kept()
         full_bytes, kept_bytes = (
             sum({t.untyped_storage().data_ptr(): t.nbytes for t in ts}.values()) for ts in (full, kept)
         )
@@ -171,7 +181,9 @@ class CFPState:
             `tuple[int, float, float, float]`: (protected coordinates, the share of them with P > 1, the 99th and the
             99.9th percentile of P).
         """
-        return self.diagonal.pull_profile(lams)
+        if not self.kronecker:
+            return self.diagonal.pull_profile(lams)
+        return pull_profile(Chained(PullStrengths(self.diagonal.protected.rows, lams), self.kronecker.strengths(lams)))
 
     def budget_lams(self, budgets: Sequence[float], tolerance: float = 0.01) -> list[float]:
         """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta (Delta: the corrected
@@ -198,7 +210,7 @@ class CFPState:
             if device is not None:
                 sharded = sharded.to(device)
                 all_reduce_sum_([sharded])
-            return replicated + sharded.cpu()
+            return replicated + sharded.cpu() + self.kronecker.budget_terms(lams)
 
         return solve_budget(evaluate, budgets, self.lams, tolerance)
 
@@ -217,8 +229,12 @@ class CFPState:
         """
         keys = drift_keys(self.views)
         replicated, shard_sums = self.diagonal.drift_squares()
+        if self.kronecker:  # K-FAC weights: their sensitive and free sums in the rotated coordinates
+            kfac_replicated, kfac_sharded = self.kronecker.drift_squares()
+            replicated, shard_sums = replicated + kfac_replicated, shard_sums + kfac_sharded
         if self.adapted:  # LoRA-adapted weights (not sharded): replicated sums
             replicated += adapted_drift_sq(self.adapted, self._adapted_views)
+            replicated += adapted_kronecker_squares(self._adapted, self.views)
         device = self.diagonal.drift_shard_device
         if device is not None:
             shard_sums = shard_sums.to(device)
@@ -237,6 +253,9 @@ class CFPState:
 def _adapter_correction(adapted: list[AdaptedTensor], protecting: list[str], rule: str) -> AdapterCorrection:
     """The correction of the adapted weights some protecting anchor covers, with each protecting anchor's F."""
     covered = [a for a in adapted if any(name in a.fisher for name in protecting)]
+    factored = [  # a K-FAC protecting anchor covers its weights alone (`kronecker.refuse_unsolvable`)
+        (a.weight, k, a.kfac[name]) for a in adapted for k, name in enumerate(protecting) if name in a.kfac
+    ]
     return AdapterCorrection(
-        [a.weight for a in covered], [[a.fisher.get(name) for name in protecting] for a in covered], rule
+        [a.weight for a in covered], [[a.fisher.get(name) for name in protecting] for a in covered], rule, factored
     )

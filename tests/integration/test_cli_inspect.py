@@ -79,7 +79,8 @@ def test_summary_shows_the_metadata_and_mass_per_module_type_without_reading_a_t
     assert [kind for kind, _, _ in shown] == ordered
     for kind, share, count in shown:
         assert share == f"{100 * per_type[kind][0] / total:.1f}" and int(count.replace(",", "")) == per_type[kind][1]
-    assert "base_fingerprint" not in out and len(out.splitlines()) == 1 + 7 + 1 + len(ordered) + 1
+    assert rows["structure"] == "diagonal"
+    assert "base_fingerprint" not in out and len(out.splitlines()) == 1 + 8 + 1 + len(ordered) + 1
 
 
 def test_an_anchor_saved_without_module_types_says_so_and_full_computes_them(saved, capsys):

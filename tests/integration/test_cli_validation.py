@@ -58,6 +58,9 @@ MISTAKES = {
     "missing model": (["--model", "{dir}/no-model"], "--model '{dir}/no-model': no such file or directory"),
     "model directory without config": (["--model", "{dir}"], "is a directory without config.json"),
     "model file not gguf": (["--model", "{dir}/a-file"], "is a file but not a .gguf"),
+    "kfac rank without kfac": (["--kfac-rank", "8"], "--kfac-rank applies to --structure kfac"),
+    "kfac rank zero": (["--structure", "kfac", "--kfac-rank", "0"], "argument --kfac-rank: must be an integer >= 1"),
+    "unknown structure": (["--structure", "blocks"], "argument --structure: invalid choice: 'blocks'"),
 }
 
 

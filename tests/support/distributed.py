@@ -34,6 +34,7 @@ KEYS = (
     "cfp/total_drift",
 )
 RESUME_STEP = 2  # interrupted runs save theta0 after this step and resume there
+KFAC_LAM = 300.0  # the K-FAC anchor's eigenvalue products are small: this pulls the run visibly
 
 
 def run_worker(script, *args, env=None, **kwargs):
@@ -86,6 +87,32 @@ def make_callback(model, **kwargs):
     math_anchor = FisherAnchor(random_fisher(model, seed=1), name="math")
     code_anchor = FisherAnchor(random_fisher(model, seed=2, keep=lambda n: "mlp" in n), name="code")
     return CFPCallback(math_anchor, lam=LAM, monitor=[code_anchor], **kwargs)
+
+
+def estimate_kfac_anchor(model):
+    """A K-FAC anchor of `model` (seeded: the same on any number of processes), named `math`."""
+    from hf_cfp import estimate_fisher
+
+    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    return estimate_fisher(
+        model,
+        None,
+        prompts,
+        num_sequences=8,
+        max_new_tokens=6,
+        batch_size=2,
+        seed=0,
+        structure="kfac",
+        show_progress=False,
+        name="math",
+    )
+
+
+def make_kfac_callback(anchor, **kwargs):
+    """Protect with the K-FAC anchor `math` (a directory or an anchor) at a strength that moves the run, and
+    monitor `code` (a diagonal anchor of the MLPs); `kwargs` go to CFPCallback."""
+    code_anchor = FisherAnchor(random_fisher(make_model(), seed=2, keep=lambda n: "mlp" in n), name="code")
+    return CFPCallback(anchor, lam=KFAC_LAM, monitor=[code_anchor], **kwargs)
 
 
 def make_lora_model():

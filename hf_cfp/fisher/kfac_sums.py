@@ -1,0 +1,101 @@
+"""The sums of a K-FAC estimate: diagonal squares for most parameters, Kronecker factors for Linear-like weights
+(`kfac_factors` states the factors), from the same scoring passes."""
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from ..anchor.kfac import eigenbasis
+from ..ops.kfac import KroneckerBasis
+from .accumulators import DiagonalSums
+from .kfac_factors import KroneckerSums, kfac_kind
+
+
+def kfac_weights(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, nn.Module]:
+    """The covered weights that carry Kronecker factors, by name, with their module, in `named`'s order: the
+    weight of a `kfac_kind` module that no other module owns (a weight tied to an embedding, GPT-2's lm_head, is
+    used as a lookup too, and keeps a diagonal F like every other covered parameter)."""
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for _, own in module.named_parameters(recurse=False):
+            owners.setdefault(id(own), []).append(module)
+    factored: dict[str, nn.Module] = {}
+    for name, p in named:
+        found = owners.get(id(p), [])
+        if len(found) == 1 and kfac_kind(found[0]) is not None and found[0].weight is p:
+            factored[name] = found[0]
+    return factored
+
+
+class KroneckerFisherSums:
+    """The sums of a K-FAC estimate (a `FisherSums`, see `accumulators`): the diagonal sums of every covered
+    parameter that is not a K-FAC weight (`DiagonalSums`, with its split-half statistics) and the factor sums of
+    each K-FAC weight, added by the same scoring passes (the engines' `kronecker` argument); T, the unpadded
+    positions scored, is counted beside them. `finish` divides (A = S_A / T, G = S_G / N) and decomposes each
+    factor into its top `rank` eigenpairs (`anchor.kfac.basis_from_factors`; consecutive equal factors, such as
+    the input factor of q, k and v projections, are decomposed once)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        named: Sequence[tuple[str, torch.Tensor]],
+        diagonal: Callable[[list[tuple[str, torch.Tensor]]], DiagonalSums],
+        rank: int | None,
+        anchor_name: str,
+    ):
+        factored = kfac_weights(model, named)
+        self.diagonal = diagonal([(n, p) for n, p in named if n not in factored])
+        self.names = list(factored)
+        self.weights: list[torch.Tensor] = [m.weight for m in factored.values()]  # type: ignore[misc]
+        self.sums = [
+            KroneckerSums.zeros(*_in_and_out(m), w.device)
+            for m, w in zip(factored.values(), self.weights, strict=True)
+        ]
+        self.params = [*self.diagonal.params, *self.weights]
+        self.tokens = torch.zeros(1, dtype=torch.float64)
+        self.rank, self.anchor_name = rank, anchor_name
+
+    def add(self, model, prompts: list, responses: list, supports: list, first_half: bool) -> None:
+        sums = self.diagonal.first if first_half else self.diagonal.second
+        kronecker = {len(sums) + j: s for j, s in enumerate(self.sums)}
+        diagonal = self.diagonal
+        accumulators = [*sums, *([None] * len(self.sums))]
+        diagonal.score(
+            model,
+            self.params,
+            accumulators,
+            prompts,
+            responses,
+            diagonal.sampler,
+            diagonal.pad_id,
+            supports=supports,
+            kronecker=kronecker,
+        )
+        self.tokens += sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+
+    def reduced(self) -> list[torch.Tensor]:
+        return [*self.diagonal.reduced(), *(t for s in self.sums for t in s.tensors()), self.tokens]
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
+        """(the diagonal F by name, the K-FAC weights' eigenbases by name, the diagonal part's split-half
+        statistics)."""
+        fisher, _, reliability = self.diagonal.finish()
+        bases = {}
+        last_a: torch.Tensor | None = None
+        for name, sums in zip(self.names, self.sums, strict=True):
+            a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
+            if last_a is None or not torch.equal(a, last_a):
+                last_a, (alpha_a, vectors_a) = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
+            alpha, q_a = alpha_a.clone(), vectors_a.clone()  # own tensors: safetensors refuses shared ones
+            gamma, q_g = eigenbasis(name, "G", g, self.anchor_name, self.rank)
+            bases[name] = KroneckerBasis(q_a, alpha, q_g, gamma)
+        self.sums = []
+        return fisher, bases, reliability
+
+
+def _in_and_out(module: nn.Module) -> tuple[int, int]:
+    """(in, out) features of a Linear-like module (nn.Linear's weight is out x in, Conv1D's in x out)."""
+    rows, columns = module.weight.shape  # type: ignore[misc]
+    return (rows, columns) if isinstance(module, Conv1D) else (columns, rows)

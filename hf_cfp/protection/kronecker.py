@@ -1,0 +1,178 @@
+"""The tensors whose F is Kronecker-factored: corrected, measured and budgeted in their factors' eigenbases.
+
+`KroneckerTensors` is what `CFPState` adds beside `diagonal.DiagonalTensors` for the weights of K-FAC anchors
+(`ops.kfac` states the math). A weight held whole (one process, DDP) is rotated locally; one whose rows are
+sharded (FSDP2) is rotated as a partial sum over its rows, completed by one all-reduce for all such weights of an
+anchor (the rotated block, r_G x r_A floats per weight, per correction and per metrics call). Its drift sums come,
+like the diagonal ones, as float64 [1 + 2V] vectors in the metric order of `names.drift_keys`: the rotated sums are
+complete on every process (replicated), the sum of Delta^2 of sharded rows is added across processes by the caller.
+"""
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..errors import CFPArgumentError
+from ..ops.kfac import KroneckerBasis, kfac_budget_terms, kfac_drift_squares, kfac_pull_, rotated_displacements
+from ..parallel import all_reduce_sum_
+from .memory import MemoryPlan
+from .records import AdaptedTensor, AnchorView, TrackedTensor
+
+
+class _Factored:
+    """One anchor's K-FAC weights of one kind (held whole, or row-sharded): their oriented views and bases."""
+
+    def __init__(self, anchor: str, tensors: list[TrackedTensor], sharded: bool):
+        self.anchor, self.tensors, self.sharded = anchor, tensors, sharded
+        self.bases: list[KroneckerBasis] = [t.kfac[anchor] for t in tensors]
+        self.theta0 = [t.oriented(t.theta0) for t in tensors]
+
+    def locals(self) -> list[torch.Tensor]:
+        """The weights' local tensors now, as out x in views."""
+        return [t.oriented(t.local()) for t in self.tensors]
+
+    def reduce(self, rotated: list[torch.Tensor]) -> None:
+        """Complete partial rotations of row-sharded weights (one all-reduce); nothing for whole ones."""
+        if self.sharded and rotated:
+            all_reduce_sum_(rotated)
+
+    def rotated(self) -> list[torch.Tensor]:
+        """R' = Q_G^T (theta - theta0) Q_A of every weight now, complete."""
+        return rotated_displacements(self.locals(), self.theta0, self.bases, self.reduce)
+
+
+class KroneckerTensors:
+    """The K-FAC weights of every anchor, and the protected ones (those of protecting anchors).
+
+    Args:
+        views: every anchor's view (`records.AnchorView`), in the order of the metrics.
+        protecting: the protecting anchors' names, in the order of the lams.
+    """
+
+    def __init__(self, views: Mapping[str, AnchorView], protecting: Sequence[str]):
+        self.order = list(views)
+        self.groups = [
+            _Factored(name, [t for t in view.kronecker if t.sharded == sharded], sharded)
+            for name, view in views.items()
+            for sharded in (False, True)
+            if any(t.sharded == sharded for t in view.kronecker)
+        ]
+        self.thresholds = {name: view.threshold for name, view in views.items()}
+        self.protecting = list(protecting)
+        self._proposal: tuple[tuple[int, ...], list[list[torch.Tensor]]] | None = None  # rotated, by param versions
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    def protected(self) -> list[tuple[int, _Factored]]:
+        return [(self.protecting.index(g.anchor), g) for g in self.groups if g.anchor in self.protecting]
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t.local()._version for _, g in self.protected() for t in g.tensors)
+
+    def proposal(self) -> list[list[torch.Tensor]]:
+        """The protected weights' rotated proposals R' (kept until the weights change: the KL budget's solve and the
+        correction that follows it rotate once)."""
+        versions = self._versions()
+        if self._proposal is None or self._proposal[0] != versions:
+            self._proposal = (versions, [g.rotated() for _, g in self.protected()])
+        return self._proposal[1]
+
+    def correct(self, lams: Sequence[float]) -> None:
+        """Delta <- Delta - Q_G [w * R'] Q_A^T, w = lam gamma alpha^T / (1 + lam gamma alpha^T), on every protected
+        weight, with its anchor's lam (`ops.kfac.kfac_pull_`)."""
+        rotated = self.proposal()
+        for (k, group), r in zip(self.protected(), rotated, strict=True):
+            kfac_pull_(group.locals(), group.theta0, group.bases, lams[k], rotated=r)
+        self._proposal = None
+
+    def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replicated, sharded) float64 [1 + 2V]: per anchor v, sum gamma alpha R^2 at 1 + 2v and the free part at
+        2 + 2v (complete rotated sums replicated, the rows' Delta^2 where they are held); nothing at 0 (the total
+        drift runs over the tracked tensors in `DiagonalTensors`)."""
+        size = 1 + 2 * len(self.order)
+        replicated, sharded = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
+        for group in self.groups:
+            v = self.order.index(group.anchor)
+            complete, local = kfac_drift_squares(
+                group.locals(), group.theta0, group.bases, self.thresholds[group.anchor], group.reduce
+            )
+            replicated[1 + 2 * v] += complete[0]
+            replicated[2 + 2 * v] += complete[1]
+            (sharded if group.sharded else replicated)[2 + 2 * v] += local[0]
+        return replicated, sharded
+
+    def budget_terms(self, lams: Sequence[float]) -> torch.Tensor:
+        """[KL_k, dKL_k / dlam_k] of the protected K-FAC weights (float64 [2, K], complete on every process) for the
+        rotated proposals (`ops.kfac.kfac_budget_terms`)."""
+        terms = torch.zeros(2, len(self.protecting), dtype=torch.float64)
+        for (k, group), r in zip(self.protected(), self.proposal(), strict=True):
+            terms[:, k] += kfac_budget_terms(r, group.bases, lams[k])
+        return terms
+
+    def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
+        """P = lam_k gamma alpha^T on the kept rotated coordinates of every protected weight, computed when read
+        (for the pull profile)."""
+        return _Strengths([(basis, float(lams[k])) for k, group in self.protected() for basis in group.bases])
+
+    def kept(self) -> list[torch.Tensor]:
+        """The eigenbases CFP keeps for these weights."""
+        return [t for g in self.groups for b in g.bases for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values)]
+
+
+class _Strengths(Sequence[torch.Tensor]):
+    """lam gamma alpha^T of each (basis, lam), computed when read."""
+
+    def __init__(self, pairs: list[tuple[KroneckerBasis, float]]):
+        self.pairs = pairs
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, i):  # an integer index
+        basis, lam = self.pairs[i]
+        return basis.products().mul_(lam)
+
+
+def refuse_unsolvable(
+    tracked: Sequence[TrackedTensor],
+    adapted: Sequence[AdaptedTensor],
+    protecting: Sequence[str],
+    memory: MemoryPlan,
+    kronecker: KroneckerTensors,
+) -> None:
+    """CFPArgumentError for what has no exact correction with K-FAC anchors: a weight factored by one protecting
+    anchor and covered by another (the summed penalty sum_k lam_k F_k has no common eigenbasis, so no closed-form
+    proximal map), and a sparse plan (it keeps coordinates of a diagonal F)."""
+    for name, diagonal, factored in [(t.name, t.fisher, t.kfac) for t in tracked] + [
+        (a.weight.name, a.fisher, a.kfac) for a in adapted
+    ]:
+        factoring = [a for a in protecting if a in factored]
+        covering = [a for a in protecting if a in diagonal or a in factored]
+        if factoring and len(covering) > 1:
+            raise CFPArgumentError(
+                f"Protecting anchors {covering} all cover {name!r}, and {factoring[0]!r} is Kronecker-factored: the "
+                "sum of their penalties has no closed-form proximal step. Protect with one of them and pass the "
+                "others as monitor= (their drift is still logged)."
+            )
+    if memory.sparse is not None and kronecker.protected():
+        raise CFPArgumentError(
+            "sparse keeps the top coordinates of a diagonal F; a protecting K-FAC anchor has none on its factored "
+            "weights. Use sparse=None with a K-FAC anchor (kfac_rank truncates it instead)."
+        )
+
+
+def adapted_kronecker_squares(adapted: Sequence[AdaptedTensor], views: Mapping[str, AnchorView]) -> torch.Tensor:
+    """The K-FAC anchors' sensitive and free sums over the LoRA-adapted weights they factor, float64 [1 + 2V] in the
+    metric order (nothing at 0: `peft_adapters.adapted_drift_sq` sums every adapted weight's Delta_W^2): the
+    merged displacement Delta_W = s B A - s0 B0 A0 in the base weight's eigenbases (one process holds it whole)."""
+    sums = torch.zeros(1 + 2 * len(views), dtype=torch.float64)
+    for v, (name, view) in enumerate(views.items()):
+        for record in (a for a in adapted if name in a.kfac):
+            delta = record.weight.in_factor_orientation(record.weight.displacement())
+            complete, local = kfac_drift_squares(
+                [delta], [torch.zeros_like(delta)], [record.kfac[name]], view.threshold
+            )
+            sums[1 + 2 * v] += complete[0]
+            sums[2 + 2 * v] += complete[1] + local[0]
+    return sums

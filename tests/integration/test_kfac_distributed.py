@@ -1,0 +1,92 @@
+"""K-FAC anchors on 2 CPU processes (torchrun, gloo): estimated, and protecting DDP and FSDP2 runs, as one process.
+
+One launch of `tests/workers/kfac_distributed_worker.py`. The anchor estimated by 2 processes (batches split, the
+factor sums all-reduced) equals the one-process anchor; the parameters trained under DDP and FSDP2 equal a
+one-process run of the same global batch (atol 1e-5: only the gradient's float summation order differs, as for
+diagonal anchors in test_distributed.py), while the K-FAC correction's own effect is far larger; the logged
+metrics are the same on both processes and equal the one-process ones. FSDP1 (flat pieces) is refused.
+Communication per step under FSDP2: one all-reduce of the rotated blocks (r_G x r_A floats per weight) for the
+correction, one more at a logging step.
+"""
+
+import pytest
+import torch
+from support.distributed import (
+    KEYS,
+    ROWS,
+    estimate_kfac_anchor,
+    loop_run,
+    make_kfac_callback,
+    make_model,
+    make_rows,
+    run_worker,
+    trainer_run,
+)
+
+
+@pytest.fixture(scope="module")
+def kfac_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kfac-anchor")
+    estimate_kfac_anchor(make_model()).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def ranks(kfac_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kfac-distributed")
+    run = run_worker("kfac_distributed_worker.py", out, kfac_dir)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def max_diff(a, b):
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+def test_two_processes_estimate_the_one_process_anchor(ranks):
+    single = estimate_kfac_anchor(make_model())
+    for r in ranks:
+        assert sorted(r["estimated"]) == sorted(single.kfac_names)
+        for name, (a, g) in r["estimated"].items():
+            want_a, want_g = single.kfac_factors(name)
+            assert torch.allclose(a, want_a, rtol=1e-4, atol=1e-6 * float(want_a.abs().max())), name
+            assert torch.allclose(g, want_g, rtol=1e-4, atol=1e-6 * float(want_g.abs().max())), name
+        for name, f in r["estimated_fisher"].items():
+            assert torch.allclose(f, single.fisher[name], rtol=1e-5, atol=1e-12), name
+
+
+def check_equal_to_one_process(ranks, mode, single, single_logs, plain):
+    two = ranks[0][f"{mode}_params"]
+    assert max_diff(two, ranks[1][f"{mode}_params"]) == 0  # every process made the same correction
+    diff, effect = max_diff(two, single), max_diff(single, plain)
+    assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (mode, diff, effect)
+    for key in KEYS:
+        assert ranks[0][f"{mode}_logs"][key] == ranks[1][f"{mode}_logs"][key], (mode, key)
+        assert ranks[0][f"{mode}_logs"][key] == pytest.approx(single_logs[key], rel=1e-5), (mode, key)
+
+
+def test_ddp_equals_one_process(ranks, kfac_dir, tmp_path):
+    model = make_model()
+    single_logs = trainer_run(model, [make_kfac_callback(kfac_dir)], tmp_path / "one", per_device_batch=ROWS)
+    plain = make_model()
+    trainer_run(plain, [], tmp_path / "plain", per_device_batch=ROWS)
+    check_equal_to_one_process(ranks, "ddp", trainable(model), single_logs, trainable(plain))
+
+
+def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, kfac_dir):
+    assert ranks[0]["fsdp2_sharded"] and ranks[0]["fsdp2_sharded"] == ranks[1]["fsdp2_sharded"]
+    model = make_model()
+    single_logs = loop_run(model, make_kfac_callback(kfac_dir), make_rows())
+    plain = make_model()
+    loop_run(plain, None, make_rows())
+    check_equal_to_one_process(ranks, "fsdp2", trainable(model), single_logs, trainable(plain))
+
+
+def test_fsdp1_flat_pieces_are_refused_with_what_to_do(ranks):
+    for r in ranks:
+        kind, message = r["fsdp1_refusal"]
+        assert kind == "CFPArgumentError" and "flat piece" in message and "FSDP2" in message
