@@ -75,16 +75,22 @@ class LoggedMetric:
 
 
 _EVERY_ANCHOR = "every logging step, per protecting and monitor anchor"
-SENSITIVE_DRIFT = LoggedMetric("cfp/<anchor>/sensitive_drift", "`sqrt(sum_i F_i Delta_i^2)`", _EVERY_ANCHOR)
+SENSITIVE_DRIFT = LoggedMetric(
+    "cfp/<anchor>/sensitive_drift",
+    "`sqrt(sum_i F_i Delta_i^2)`; a K-FAC anchor's factored weights add `sum gamma_i alpha_j R_ij^2`, "
+    "`R = Q_G^T Delta_W Q_A`",
+    _EVERY_ANCHOR,
+)
 PREDICTED_KL = LoggedMetric(
     "cfp/<anchor>/predicted_kl",
-    "`0.5 sum_i F_i Delta_i^2`, the second-order KL to the base on the anchor's prompts with the diagonal F, nats "
-    '(see "Choosing the strength" for how well it predicts)',
+    "`0.5 sensitive_drift^2`, the second-order KL to the base on the anchor's prompts under the anchor's "
+    '(diagonal or K-FAC) Fisher, nats (see "Choosing the strength" for how well it predicts)',
     _EVERY_ANCHOR,
 )
 FREE_DRIFT = LoggedMetric(
     "cfp/<anchor>/free_drift",
-    "`norm(Delta)` over the `free_fraction` of coordinates with the smallest `F` (threshold fixed once at bind)",
+    "`norm(Delta)` over the `free_fraction` of coordinates with the smallest `F` (threshold fixed once at bind; "
+    "rotated coordinates of a K-FAC anchor's factored weights)",
     _EVERY_ANCHOR,
 )
 TOTAL_DRIFT = LoggedMetric("cfp/total_drift", "`norm(Delta)` over every covered parameter", "every logging step")
