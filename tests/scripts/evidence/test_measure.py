@@ -1,6 +1,7 @@
 """CapabilityProbe on the tiny pipeline model: the base model measures exactly zero KL and zero task progress,
 and a perturbed model's task numbers equal a plain reference written here: one unbatched float64 forward per
-(prompt, answer), the prompt through the chat template, the answer's tokens without special tokens."""
+(prompt, answer), the prompt through the chat template, the answer's tokens without special tokens; an RL arm's
+reward gain is the sampled reward of the model minus the base model's (`rewards.sampled_rewards`)."""
 
 import copy
 
