@@ -21,9 +21,10 @@ from hf_cfp.fisher.staleness import reestimate, top1_overlap
 from hf_cfp.loading.models import load_causal_lm
 from hf_cfp.loading.prompts import calibration_prompts
 
+from .anchors import load_or_estimate_anchors
 from .measure import CapabilityProbe
 from .plan import Arm, Plan
-from .run import append_row, done_rows, load_or_estimate_anchors, tiny_model_and_tokenizer
+from .run import append_row, done_rows, tiny_model_and_tokenizer
 from .training import train_arm
 
 

@@ -2,6 +2,7 @@
 
 - `isotropic_anchor`: CFP with F replaced by its mean, F_iso_i = (1/n) sum_j F_j (same total mass, no
   shape): run it through `CFPCallback` to ask whether the Fisher's shape matters, not only its scale.
+- `truncated_anchor`: a K-FAC anchor cut to the top r eigenpairs of each factor (the rank sweep).
 - `StepOnlyCallback`: the step-only variant, which preconditions the latest step instead of the path,
   theta_{t+1} = theta_t + d_t / (1 + lam F).
 - `KLPenaltySFTTrainer`: supervised fine-tuning with a token-level KL penalty to a frozen reference model,
@@ -20,6 +21,7 @@ from hf_cfp.anchor import FisherAnchor, check_fingerprint
 from hf_cfp.errors import CFPArgumentError, CFPError
 from hf_cfp.integrations.strength import check_lam
 from hf_cfp.ops import proximal_pull_
+from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.parallel.deepspeed import uses_deepspeed
 from hf_cfp.protection import bind_anchor, peft_view
 
@@ -41,6 +43,28 @@ def isotropic_anchor(anchor: FisherAnchor, name: str = "isotropic") -> FisherAnc
     fisher = {n: torch.full_like(f, mean) for n, f in anchor.fisher.items()}
     metadata = {**anchor.metadata, "derived_from": anchor.name, "transform": "isotropic mean"}
     return FisherAnchor(fisher, name=name, metadata=metadata)
+
+
+def truncated_anchor(anchor: FisherAnchor, rank: int, name: str) -> FisherAnchor:
+    """K-FAC `anchor` with each factor's top `rank` eigenpairs only (the stored bases are largest first):
+
+        A_r = Q_A[:, :r] diag(alpha[:r]) Q_A[:, :r]^T,   G_r = Q_G[:, :r] diag(gamma[:r]) Q_G[:, :r]^T,
+
+    the diagonal F of its other parameters unchanged. CFP with it pulls on the top r x r block of each weight's
+    rotated coordinates alone (`hf_cfp.ops.kfac`). The bases are views of `anchor`'s (no copy). The metadata is
+    copied with `kfac_rank`, `derived_from` (the anchor's name) and `transform` added.
+    """
+    bases = {
+        key: KroneckerBasis(b.a_vectors[:, :rank], b.a_values[:rank], b.g_vectors[:, :rank], b.g_values[:rank])
+        for key, b in anchor.kfac.items()
+    }
+    metadata = {
+        **anchor.metadata,
+        "kfac_rank": rank,
+        "derived_from": anchor.name,
+        "transform": f"top {rank} eigenpairs per factor",
+    }
+    return FisherAnchor(dict(anchor.fisher), name=name, metadata=metadata, kfac=bases)
 
 
 class StepOnlyCallback(TrainerCallback):

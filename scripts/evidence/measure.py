@@ -16,6 +16,11 @@ The task (the pirate-style pairs, base log-probs taken once):
 - `task/dpo_margin` = (1/N) sum_i [ (l_theta(c_i) - l_0(c_i)) - (l_theta(r_i) - l_0(r_i)) ], l the sequence
   log-prob, c_i / r_i the chosen / rejected answers: the DPO implicit reward margin divided by beta;
 - `task/dpo_accuracy` = share of pairs with a positive margin.
+
+With `rewards` (the RL arms), for every reward r of `rewards.REWARDS` on the pirate-style prompts:
+`task/<r>_reward`, the mean reward of `rl_eval_samples` completions per prompt sampled from the trained model
+(`rewards.sampled_rewards`, seed 0, at most `rl_completion_tokens`), and `task/<r>_gain`, that minus the base
+model's (drawn the same way once): the RL arm's task progress.
 """
 
 import torch
@@ -30,10 +35,15 @@ from hf_cfp.evaluation import (
 )
 from hf_cfp.loading.prompts import eval_items, pirate_preference_triples, pirate_style_pairs
 
-from .plan import DOMAINS, Plan
+from .plan import DOMAINS, RL_REWARDS, Plan, rl_optimizer
+from .rewards import sampled_rewards
 
 # what "task progress" means for each optimizer (higher is better)
-TASK_PROGRESS = {"sft": "task/sft_gain", "dpo": "task/dpo_margin"}
+TASK_PROGRESS = {
+    "sft": "task/sft_gain",
+    "dpo": "task/dpo_margin",
+    **{rl_optimizer(reward): f"task/{reward}_gain" for reward in RL_REWARDS},
+}
 
 
 class CapabilityProbe:
@@ -58,6 +68,12 @@ class CapabilityProbe:
         self.sft_pairs = pirate_style_pairs()
         self.triples = pirate_preference_triples()
         self.base_task = self._task_log_probs(base_model)
+        self.rl_prompts = [p for p, _ in self.sft_pairs]
+        self.base_rewards = self._rewards(base_model) if plan.rl_rewards else {}
+
+    def _rewards(self, model) -> dict[str, float]:
+        plan = self.plan
+        return sampled_rewards(model, self.tokenizer, self.rl_prompts, plan.rl_eval_samples, plan.rl_completion_tokens)
 
     def _task_log_probs(self, model) -> dict[str, torch.Tensor]:
         """Per-token mean log-probs of the SFT targets; sequence log-probs of chosen and rejected answers."""
@@ -68,8 +84,9 @@ class CapabilityProbe:
         rejected, _ = answer_log_probs(model, tok, prompts, [r for _, _, r in self.triples])
         return {"sft": sums / lengths, "chosen": chosen, "rejected": rejected}
 
-    def measure(self, model, greedy: bool) -> dict[str, float]:
-        """The module docstring's numbers for `model` (greedy scores only with `greedy`: they cost the most)."""
+    def measure(self, model, greedy: bool, rewards: bool = False) -> dict[str, float]:
+        """The module docstring's numbers for `model` (greedy scores only with `greedy`: they cost the most;
+        the rewards only with `rewards`)."""
         row: dict[str, float] = {}
         for domain, items in self.items.items():
             estimate = self.base_responses[domain].kl(model)
@@ -90,4 +107,8 @@ class CapabilityProbe:
         row["task/sft_gain"] = float((task["sft"] - base["sft"]).mean())
         row["task/dpo_margin"] = float(margins.mean())
         row["task/dpo_accuracy"] = float((margins > 0).double().mean())
+        if rewards:
+            for name, value in self._rewards(model).items():
+                row[f"task/{name}_reward"] = value
+                row[f"task/{name}_gain"] = value - self.base_rewards[name]
         return row

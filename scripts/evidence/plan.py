@@ -19,13 +19,54 @@ the pirate preference pairs), a method and its strength, and a seed. Methods:
 The table rows use `Plan.table_strength` (c = 1: lam = 1/p99, the README's rule) and the first KL
 strength; the other strengths only add points to the frontier, drawn from the first seed. Every seed repeats
 the table rows; greedy scores are taken on a few rows of the first seed (`Plan.measures_greedy`).
+
+Added with the Kronecker-factored anchors (issue 25; `is_new`: their arms are also monitored by the math K-FAC
+anchor, whose predicted KL 0.5 tr(Delta^T G Delta A) is recorded as `math/kfac_predicted_kl`, and log only at
+the last step):
+
+- `kfac`: CFP with a K-FAC anchor (`estimate_fisher(structure="kfac")` on the same calibration prompts, sampler,
+  sizes and seed as the diagonal ones), lam = c / p99 of that anchor (p99 over the eigenvalue products
+  gamma_i alpha_j and the diagonal F of its other parameters). `Arm.anchor` is a label (`kfac_anchor_name`):
+  a domain (`math`, `code`, `safety`: table rows, every seed), `math_r<r>` (the math anchor truncated to its
+  top r eigenpairs per factor, lam of the full anchor: the rank sweep) or `math_n<n>` (a math K-FAC anchor of
+  n sequences: the anchor-size sweep); the strength sweep of `math` and both sweeps run on the first seed;
+- an on-policy RL optimizer, TRL's RLOO, `rloo-<reward>` (`rl_optimizer`), on the pirate-style prompts with one
+  of `RL_REWARDS` (`rewards.py`): unregularized (beta 0), `kl` (RLOO's own KL penalty, strength = beta),
+  `isotropic`, `cfp` and `kfac` with the math anchors at `table_strength`; first seed.
 """
 
 from dataclasses import dataclass, field
 
 DOMAINS = ("math", "code", "safety")
 OPTIMIZERS = ("sft", "dpo")
-METHODS = ("unregularized", "kl", "cfp", "step_only", "isotropic", "budget")
+METHODS = ("unregularized", "kl", "cfp", "kfac", "step_only", "isotropic", "budget")
+RL_REWARDS = ("pirate", "brevity")
+RL_PREFIX = "rloo-"  # an RL optimizer's name: RLOO and its reward, `rloo-pirate`
+KFAC_MONITOR = "math_kfac"  # the K-FAC anchor every new arm is measured on (`is_new`)
+
+
+def rl_optimizer(reward: str) -> str:
+    """The optimizer name of RLOO with `reward`: `rloo-pirate`."""
+    return RL_PREFIX + reward
+
+
+def rl_reward(optimizer: str) -> str | None:
+    """The reward of an RL optimizer name (`rloo-pirate` -> `pirate`), None for SFT and DPO."""
+    return optimizer[len(RL_PREFIX) :] if optimizer.startswith(RL_PREFIX) else None
+
+
+def kfac_anchor_name(label: str) -> str:
+    """The K-FAC anchor a `kfac` arm's label stands for: `math` -> `math_kfac`, `math_r8` -> `math_kfac_r8`,
+    `math_n16` -> `math_kfac_n16` (the names under `<output_dir>/anchors/` and in the metric keys)."""
+    domain, _, variant = label.partition("_")
+    return f"{domain}_kfac" + (f"_{variant}" if variant else "")
+
+
+def kfac_lam_anchor(label: str) -> str:
+    """The anchor whose p99 sets lam = c / p99 for a `kfac` arm: its own, except for a truncation `math_r<r>`,
+    which takes the full anchor's (the same lam on fewer directions)."""
+    domain, _, variant = label.partition("_")
+    return kfac_anchor_name(domain if variant.startswith("r") else label)
 
 
 @dataclass(frozen=True)
@@ -43,6 +84,34 @@ class Arm:
         """A unique, readable id, e.g. `sft/cfp[math]@1/seed0`."""
         anchor = f"[{self.anchor}]" if self.anchor else ""
         return f"{self.optimizer}/{self.method}{anchor}@{self.strength:g}/seed{self.seed}"
+
+
+def is_new(arm: Arm) -> bool:
+    """An arm added with the K-FAC anchors (issue 25): method `kfac`, or an RL optimizer. These are measured on
+    `KFAC_MONITOR` too and log (compute their drift metrics) only at the last step."""
+    return arm.method == "kfac" or rl_reward(arm.optimizer) is not None
+
+
+@dataclass(frozen=True)
+class AnchorSpec:
+    """How one anchor of the plan is made (`Plan.anchor_specs`, built by `anchors.AnchorStore`):
+
+    - `estimated`: `estimate_fisher` on `sequences` calibration sequences of `domain`, `estimator`, `seed`,
+      `structure` ("diagonal" or "kfac"), saved under `<output_dir>/anchors/<name>`;
+    - `pooled`: the anchor of all the `parts`' sequences (`FisherAnchor.combine` of equally many sequences each);
+    - `truncated`: `source` (K-FAC) with the top `rank` eigenpairs of each factor;
+    - `isotropic`: `source` with F replaced by its mean (`controls.isotropic_anchor`).
+    """
+
+    kind: str
+    domain: str = "math"
+    sequences: int = 0
+    estimator: str = "sequence"
+    seed: int = 0
+    structure: str = "diagonal"
+    parts: tuple[str, ...] = ()
+    source: str | None = None
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +139,19 @@ class Plan:
     greedy_new_tokens: int  # math exact match; refusals use half
     table_strength: float = 1.0
     optimizers: tuple[str, ...] = field(default=OPTIMIZERS)
+    # K-FAC arms (none by default): c of CFP-KFAC [math] besides table_strength; truncation ranks; other sizes of
+    # the math K-FAC anchor (a multiple K of anchor_sequences pools K parts of seeds 0..K-1, a power of 2)
+    kfac_strengths: tuple[float, ...] = ()
+    kfac_ranks: tuple[int, ...] = ()
+    kfac_sizes: tuple[int, ...] = ()
+    # RL arms (none by default): RLOO on the pirate-style prompts, one optimizer per reward
+    rl_rewards: tuple[str, ...] = ()
+    rl_kl_betas: tuple[float, ...] = ()
+    rl_learning_rate: float = 1e-5
+    rl_batch_size: int = 8  # completions per step: rl_batch_size / rl_generations prompts
+    rl_generations: int = 4  # completions per prompt (the leave-one-out group)
+    rl_completion_tokens: int = 24
+    rl_eval_samples: int = 2  # completions per training prompt for the reward of a trained model (seed 0)
 
     def quality_anchors(self) -> dict[str, tuple[int, str]]:
         """{name: (num_sequences, estimator)} of the extra math anchors of the anchor-quality sweep."""
@@ -78,8 +160,63 @@ class Plan:
             anchors["math_token"] = (self.token_sequences, "token")
         return anchors
 
+    def anchor_specs(self) -> dict[str, AnchorSpec]:
+        """Every anchor an arm of the plan can need, by name: the math, code and safety anchors, diagonal
+        (`<domain>`) and K-FAC (`<domain>_kfac`), `anchor_sequences` each, seed 0; the quality sweep's diagonal
+        math anchors (`quality_anchors`); the K-FAC size sweep's (`math_kfac_n<n>`) and rank sweep's
+        (`math_kfac_r<r>`) math anchors; the parts pooled into them; and `isotropic` (of the diagonal math)."""
+        n = self.anchor_sequences
+        specs = {d: AnchorSpec("estimated", d, n) for d in DOMAINS}
+        specs |= {f"{d}_kfac": AnchorSpec("estimated", d, n, structure="kfac") for d in DOMAINS}
+        for name, (size, estimator) in self.quality_anchors().items():
+            specs |= self._sized("math", name, size, estimator)
+        for size in self.kfac_sizes:
+            specs |= self._sized(KFAC_MONITOR, f"{KFAC_MONITOR}_n{size}", size, "sequence", "kfac")
+        specs |= {
+            f"{KFAC_MONITOR}_r{r}": AnchorSpec("truncated", source=KFAC_MONITOR, rank=r) for r in self.kfac_ranks
+        }
+        specs["isotropic"] = AnchorSpec("isotropic", source="math")
+        return specs
+
+    def _sized(self, first: str, name: str, size: int, estimator: str, structure: str = "diagonal") -> dict:
+        """{name: spec} of a math anchor of `size` sequences, with its parts: a multiple K of `anchor_sequences`
+        pools K parts of seeds 0..K-1 (part 0 is the anchor `first`, part k is `<first>_part<k>`); any other size,
+        or another estimator, is estimated on its own (seed 0)."""
+        n = self.anchor_sequences
+        if estimator != "sequence" or size % n:
+            return {name: AnchorSpec("estimated", "math", size, estimator, structure=structure)}
+        parts = {
+            f"{first}_part{k}": AnchorSpec("estimated", "math", n, seed=k, structure=structure)
+            for k in range(1, size // n)
+        }
+        return {**parts, name: AnchorSpec("pooled", structure=structure, parts=(first, *parts))}
+
+    def anchors_of(self, arm: Arm) -> set[str]:
+        """The anchors `arm` trains and is measured with: the diagonal math, code and safety anchors (every arm's
+        DtFD), `KFAC_MONITOR` for new arms (`is_new`), and the protecting anchor (and, for `kfac`, the one its lam
+        comes from, `kfac_lam_anchor`)."""
+        names = set(DOMAINS) | ({KFAC_MONITOR} if is_new(arm) else set())
+        if arm.method == "isotropic":
+            names.add("isotropic")
+        elif arm.method == "kfac" and arm.anchor:
+            names |= {kfac_anchor_name(arm.anchor), kfac_lam_anchor(arm.anchor)}
+        elif arm.anchor:
+            names.add(arm.anchor)
+        return names
+
     def kl_betas(self, optimizer: str) -> tuple[float, ...]:
+        if rl_reward(optimizer) is not None:
+            return self.rl_kl_betas
         return self.sft_kl_betas if optimizer == "sft" else self.dpo_kl_betas
+
+    def rl_optimizers(self) -> tuple[str, ...]:
+        """`rloo-<reward>` for every reward of the plan."""
+        return tuple(rl_optimizer(reward) for reward in self.rl_rewards)
+
+    def logging_steps(self, arm: Arm) -> int:
+        """How often an arm logs (and computes its drift metrics): new arms (`is_new`) at the last step only,
+        the others every steps // 3 steps, as they ran."""
+        return self.steps if is_new(arm) else max(1, self.steps // 3)
 
     def is_table_row(self, arm: Arm | dict) -> bool:
         """A row of the tables: the unregularized run, the first KL strength, and the other methods at
@@ -93,17 +230,55 @@ class Plan:
 
     def measures_greedy(self, arm: Arm) -> bool:
         """Greedy scores (math exact match, refusal rate: the costliest measurements) on the first seed's
-        unregularized, first-KL, CFP [math] and CFP [safety] rows only."""
+        unregularized, first-KL, CFP [math], CFP [safety], CFP-KFAC [math] and CFP-KFAC [safety] SFT and DPO rows
+        only (not RL)."""
         return (
             arm.seed == self.seeds[0]
             and self.is_table_row(arm)
-            and arm.method in ("unregularized", "kl", "cfp")
+            and arm.optimizer in OPTIMIZERS
+            and arm.method in ("unregularized", "kl", "cfp", "kfac")
             and arm.anchor in (None, "math", "safety")
         )
 
     def arms(self) -> list[Arm]:
-        """The first seed runs every strength of every method (the frontier) and, for SFT, CFP with each
-        quality anchor; the other seeds repeat the table rows (their means and spread)."""
+        """`diagonal_arms`, then the K-FAC arms of the first seed, the RL arms, and the K-FAC table rows of the
+        other seeds (`kfac_arms`, `rl_arms`): an interrupted run has the frontier before the spread."""
+        first, *others = self.seeds
+        return self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
+
+    def kfac_arms(self, seeds: tuple[int, ...]) -> list[Arm]:
+        """Per seed and optimizer (SFT, DPO): CFP-KFAC with the math, code and safety K-FAC anchors at
+        `table_strength`; on the first seed also the other `kfac_strengths` of math, the rank sweep
+        (`math_r<r>`) and the anchor-size sweep (`math_n<n>`), at `table_strength`."""
+        if not self.kfac_strengths:
+            return []
+        arms = []
+        for seed in seeds:
+            for optimizer in self.optimizers:
+                arms += [Arm(optimizer, "kfac", self.table_strength, seed, domain) for domain in DOMAINS]
+                if seed != self.seeds[0]:
+                    continue
+                c = self.table_strength
+                arms += [Arm(optimizer, "kfac", s, seed, "math") for s in self.kfac_strengths if s != c]
+                arms += [Arm(optimizer, "kfac", c, seed, f"math_r{r}") for r in self.kfac_ranks]
+                arms += [Arm(optimizer, "kfac", c, seed, f"math_n{n}") for n in self.kfac_sizes]
+        return arms
+
+    def rl_arms(self) -> list[Arm]:
+        """Per reward, on the first seed: unregularized, RLOO's KL penalty at each `rl_kl_betas`, and the
+        isotropic pull, CFP and CFP-KFAC with the math anchors at `table_strength`."""
+        seed, c = self.seeds[0], self.table_strength
+        arms = []
+        for optimizer in self.rl_optimizers():
+            arms += [Arm(optimizer, "unregularized", 0.0, seed)]
+            arms += [Arm(optimizer, "kl", beta, seed) for beta in self.rl_kl_betas]
+            arms += [Arm(optimizer, method, c, seed, "math") for method in ("isotropic", "cfp", "kfac")]
+        return arms
+
+    def diagonal_arms(self) -> list[Arm]:
+        """The arms that ran before the K-FAC anchors (their keys are in the committed results): the first seed
+        runs every strength of every method (the frontier) and, for SFT, CFP with each quality anchor; the other
+        seeds repeat the table rows (their means and spread)."""
         arms = []
         for seed in self.seeds:
             for optimizer in self.optimizers:
@@ -141,6 +316,16 @@ TINY = Plan(
     kl_samples=2,
     kl_new_tokens=6,
     greedy_new_tokens=4,
+    kfac_strengths=(1.0, 10.0),
+    kfac_ranks=(2, 8),
+    kfac_sizes=(4, 16, 32),
+    rl_rewards=RL_REWARDS,
+    rl_kl_betas=(0.5,),
+    rl_learning_rate=3e-3,
+    rl_batch_size=4,
+    rl_generations=2,
+    rl_completion_tokens=6,
+    rl_eval_samples=1,
 )
 
 EMBEDDED = Plan(
@@ -163,4 +348,14 @@ EMBEDDED = Plan(
     kl_samples=2,
     kl_new_tokens=32,
     greedy_new_tokens=64,
+    kfac_strengths=(1.0, 10.0, 100.0),
+    kfac_ranks=(8, 64),
+    kfac_sizes=(16, 64, 128),
+    rl_rewards=RL_REWARDS,
+    rl_kl_betas=(0.05,),
+    rl_learning_rate=3e-4,
+    rl_batch_size=8,
+    rl_generations=4,
+    rl_completion_tokens=24,
+    rl_eval_samples=2,
 )

@@ -2,29 +2,42 @@
 
 - Drift table (the paper's): rows are methods at the table strength, columns are domains, entries are
   DtFD_d(arm) / DtFD_d(unregularized, same optimizer and seed) - 1, mean +- standard deviation over seeds
-  (the value alone where one seed ran).
+  (the value alone where one seed ran). DtFD is always that of the diagonal anchors, CFP-KFAC rows included.
 - Capability table: per row the task's progress (`measure.TASK_PROGRESS`), each domain's kl_to_base and the
-  held-out scores, means over seeds (the base model as the first row).
+  held-out scores, means over seeds (the base model as the first row). Both tables for SFT, DPO and each RL
+  reward (`rloo-<reward>`: the task progress is the reward gain).
+- Sweep tables (first seed, table strength): CFP-KFAC [math] with the anchor truncated to r eigenpairs per factor
+  (`math_r<r>`) and with math K-FAC anchors of other sizes (`math_n<n>`), beside the full 32-sequence one.
+- Predicted vs measured: for the rows that have both, the diagonal prediction 0.5 DtFD_math, the K-FAC one
+  (`math/kfac_predicted_kl`) and the measured held-out math KL.
 - Frontier: task progress against math kl_to_base, one curve per method over its strengths (means over seeds),
-  each starting at the unregularized run; and the same for CFP with math anchors of different quality (first
-  seed only).
+  each starting at the unregularized run: per optimizer, for the diagonal quality sweep (SFT) and for the K-FAC
+  sweeps (per optimizer), first seed only.
 """
 
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 from .measure import TASK_PROGRESS
-from .plan import DOMAINS
+from .plan import DOMAINS, Plan, rl_reward
 
 LABELS = {"unregularized": "unregularized", "kl": "KL control", "step_only": "step-only", "isotropic": "isotropic"}
 
 
 def curve_label(arm: dict) -> str:
-    """The method and its anchor, strength left out: 'CFP [math]', 'KL control', 'step-only [math]', ..."""
-    if arm["method"] == "cfp":
-        return f"CFP [{arm['anchor']}]"
+    """The method and its anchor, strength left out: 'CFP [math]', 'CFP-KFAC [math_r8]', 'KL control',
+    'step-only [math]', ..."""
+    if arm["method"] in ("cfp", "kfac"):
+        return ("CFP" if arm["method"] == "cfp" else "CFP-KFAC") + f" [{arm['anchor']}]"
     return LABELS[arm["method"]] + (f" [{arm['anchor']}]" if arm["anchor"] else "")
+
+
+def title(optimizer: str) -> str:
+    """'SFT', 'DPO', 'RLOO (pirate reward)'."""
+    reward = rl_reward(optimizer)
+    return f"RLOO ({reward} reward)" if reward else optimizer.upper()
 
 
 def row_label(arm: dict, with_strength: bool = False) -> str:
@@ -59,15 +72,16 @@ def drift_table(rows: list[dict], optimizer: str, is_table_row, with_strength: b
         if r.get("arm", {}).get("method") == "unregularized"
         if r["arm"]["optimizer"] == optimizer
     }
-    lines = [f"| {optimizer.upper()} arm | " + " | ".join(f"{d} DtFD" for d in DOMAINS) + " |", "|---" * 4 + "|"]
+    lines = [f"| {title(optimizer)} arm | " + " | ".join(f"{d} DtFD" for d in DOMAINS) + " |", "|---" * 4 + "|"]
     for label, group in _group(rows, optimizer, is_table_row, with_strength).items():
         cells = []
         for d in DOMAINS:
             if group[0]["arm"]["method"] == "unregularized":
                 cells.append(_mean_sd([r["metrics"][f"{d}/dtfd"] for r in group], ".3g", ".2g") + " (abs.)")
             else:
-                ratios = [r["metrics"][f"{d}/dtfd"] / reference[r["arm"]["seed"]][f"{d}/dtfd"] - 1 for r in group]
-                cells.append(_mean_sd(ratios, "+.0%", ".0%"))
+                pairs = [(r["metrics"][f"{d}/dtfd"], reference[r["arm"]["seed"]][f"{d}/dtfd"]) for r in group]
+                ratios = [value / plain - 1 for value, plain in pairs if plain > 0]  # 0: the optimizer never moved
+                cells.append(_mean_sd(ratios, "+.0%", ".0%") if ratios else "")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -87,7 +101,7 @@ CAPABILITY_COLUMNS = [
 def capability_table(rows: list[dict], optimizer: str, is_table_row) -> str:
     """Markdown: task progress, kl_to_base per domain and held-out scores (means over seeds)."""
     task = TASK_PROGRESS[optimizer]
-    header = [f"{optimizer.upper()} arm", task] + [name for _, name, _ in CAPABILITY_COLUMNS]
+    header = [f"{title(optimizer)} arm", task] + [name for _, name, _ in CAPABILITY_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     base = next(r for r in rows if r["key"] == "base")
     groups = {"base model": [base], **_group(rows, optimizer, is_table_row, False)}
@@ -124,50 +138,151 @@ def frontier_points(rows: list[dict], optimizer: str, anchors, seeds=None) -> di
     return {label: start + curve for label, curve in curves.items()}
 
 
-def plot_frontiers(rows: list[dict], optimizers, quality_seed: int, path: Path) -> None:
-    """One panel per optimizer (all methods) and one for the anchor-quality sweep (SFT), all from the seed
-    that ran every strength (`quality_seed`)."""
+def sweep_table(rows: list[dict], optimizer: str, labels: dict[str, str], strength: float, seed: int) -> str:
+    """Markdown: the unregularized run, then one row per CFP-KFAC anchor label (`labels`: the arm's anchor label ->
+    the row's name, in order) at `strength` on `seed`: task progress, each domain's kl_to_base, the diagonal math
+    DtFD relative to the unregularized run, and the K-FAC math prediction. Labels that did not run are left out."""
+    task = TASK_PROGRESS[optimizer]
+    header = [f"{title(optimizer)} arm", task, *(f"{d} KL" for d in DOMAINS), "math DtFD", "K-FAC math pred. KL"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    mine = [r for r in rows if r.get("arm", {}).get("optimizer") == optimizer and r["arm"]["seed"] == seed]
+    plain = next((r["metrics"] for r in mine if r["arm"]["method"] == "unregularized"), None)
+    found = {
+        r["arm"]["anchor"]: r["metrics"]
+        for r in mine
+        if r["arm"]["method"] == "kfac" and r["arm"]["strength"] == strength and r["arm"]["anchor"] in labels
+    }
+    reference = plain["math/dtfd"] if plain else 0.0  # 0: no unregularized run, or one that never moved
+    named = [("unregularized", plain)] if plain else []
+    for label, metrics in [*named, *((labels[a], found[a]) for a in labels if a in found)]:
+        dtfd = metrics["math/dtfd"]
+        cells = [format(metrics[task], ".3g"), *(format(metrics[f"{d}/kl"], ".3g") for d in DOMAINS)]
+        relative = metrics is not plain and reference > 0
+        cells.append(f"{dtfd / reference - 1:+.0%}" if relative else f"(abs. {dtfd:.3g})")
+        cells.append(format(metrics["math/kfac_predicted_kl"], ".3g") if "math/kfac_predicted_kl" in metrics else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rank_labels(plan: Plan) -> dict[str, str]:
+    """{anchor label: row name} of the rank sweep: each truncation, then the full anchor."""
+    return {**{f"math_r{r}": f"CFP-KFAC [math] rank {r}" for r in plan.kfac_ranks}, "math": "CFP-KFAC [math] full"}
+
+
+def size_labels(plan: Plan) -> dict[str, str]:
+    """{anchor label: row name} of the anchor-size sweep, in order of size (the table anchor among them)."""
+    sizes = {n: f"math_n{n}" for n in plan.kfac_sizes} | {plan.anchor_sequences: "math"}
+    return {sizes[n]: f"CFP-KFAC [math] {n} sequences" for n in sorted(sizes)}
+
+
+def prediction_table(rows: list[dict]) -> str:
+    """Markdown: per arm with a K-FAC prediction (means over seeds), the diagonal quadratic 0.5 DtFD_math, the
+    K-FAC quadratic `math/kfac_predicted_kl` (both of the anchors' calibration prompts) and the measured held-out
+    math kl_to_base, nats."""
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        if "math/kfac_predicted_kl" in row["metrics"]:
+            arm = row["arm"]
+            groups[f"{title(arm['optimizer'])} {row_label(arm, True)}"].append(row["metrics"])
+    header = ["arm", "0.5 DtFD (diagonal)", "K-FAC prediction", "measured math KL"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for label, group in groups.items():
+        means = [
+            statistics.fmean(0.5 * m["math/dtfd"] for m in group),
+            statistics.fmean(m["math/kfac_predicted_kl"] for m in group),
+            statistics.fmean(m["math/kl"] for m in group),
+        ]
+        lines.append(f"| {label} | " + " | ".join(format(v, ".3g") for v in means) + " |")
+    return "\n".join(lines)
+
+
+def frontier_panels(rows: list[dict], plan: Plan) -> list[tuple[str, dict, str]]:
+    """(optimizer, curves, title) of every panel, from the first seed: each optimizer's methods (anchors None and
+    math: unregularized, KL, CFP, CFP-KFAC, step-only, isotropic), the diagonal math anchors of other quality
+    (SFT), and the K-FAC rank and size sweeps (SFT, DPO) beside the diagonal CFP [math]."""
+    seed = {plan.seeds[0]}
+    panels = [
+        (o, frontier_points(rows, o, (None, "math"), seed), f"{title(o)}: methods (seed {plan.seeds[0]})")
+        for o in (*plan.optimizers, *plan.rl_optimizers())
+    ]
+    quality = {None, "math", *plan.quality_anchors()}
+    curves = frontier_points(rows, "sft", quality, seed)
+    curves = {label: c for label, c in curves.items() if label.startswith(("CFP [", "isotropic"))}
+    panels.append(("sft", curves, "SFT: diagonal math anchors of other sizes / estimator"))
+    kfac = {None, *rank_labels(plan), *size_labels(plan)}
+    for optimizer in plan.optimizers:
+        curves = frontier_points(rows, optimizer, kfac, seed)
+        curves = {label: c for label, c in curves.items() if label == "CFP [math]" or label.startswith("CFP-KFAC")}
+        panels.append((optimizer, curves, f"{title(optimizer)}: K-FAC rank and anchor size"))
+    return panels
+
+
+def unregularized_point(rows: list[dict], optimizer: str, seed: int) -> tuple[float, float] | None:
+    """(math kl, task progress) of the unregularized run of `optimizer` on `seed`, where every curve starts."""
+    for row in rows:
+        arm = row.get("arm") or {}
+        if arm.get("optimizer") == optimizer and arm["method"] == "unregularized" and arm["seed"] == seed:
+            return row["metrics"]["math/kl"], row["metrics"][TASK_PROGRESS[optimizer]]
+    return None
+
+
+def plot_frontiers(rows: list[dict], plan: Plan, path: Path) -> None:
+    """`frontier_panels` in a grid of four columns, task progress against held-out math KL."""
     import matplotlib  # optional (the `demo` extra): only `--plot` needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after choosing the Agg backend: no display needed
 
-    methods = (None, "math")
-    seed = {quality_seed}
-    panels = [
-        (o, frontier_points(rows, o, methods, seed), f"{o.upper()}: methods (seed {quality_seed})") for o in optimizers
-    ]
-    math_anchors = {row["arm"]["anchor"] for row in rows if str(row.get("arm", {}).get("anchor")).startswith("math")}
-    quality = frontier_points(rows, "sft", math_anchors, seed)
-    quality = {label: curve for label, curve in quality.items() if label.startswith(("CFP", "isotropic"))}
-    panels.append(("sft", quality, f"SFT: math anchors of other sizes / estimator (seed {quality_seed})"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
-    for ax, (optimizer, curves, title) in zip(axes, panels, strict=True):
+    panels = frontier_panels(rows, plan)
+    columns = min(4, len(panels))
+    lines = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.axis("off")
+    for ax, (optimizer, curves, name) in zip(axes.flat, panels, strict=False):
         for label, points in curves.items():
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label=label)
+        start = unregularized_point(rows, optimizer, plan.seeds[0])
+        if start is not None:
+            ax.plot(*start, marker="*", markersize=11, color="black", linestyle="none", label="unregularized")
         ax.set_xlabel("math kl_to_base (nats, held-out prompts)  →  capability lost")
         ax.set_ylabel(f"{TASK_PROGRESS[optimizer]}  →  task learned")
-        ax.set_title(title, fontsize=10)
-        ax.legend(fontsize=7)
+        ax.set_title(name, fontsize=10)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.suptitle("Frontier: task progress vs capability KL; each curve from the unregularized run, stronger → left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def markdown_report(rows: list[dict], optimizers, is_table_row) -> str:
-    """Both tables for every optimizer, and the anchor-quality table, as one markdown document."""
+def _ran(rows: list[dict], optimizer: str) -> bool:
+    return any(r.get("arm", {}).get("optimizer") == optimizer for r in rows)
+
+
+def markdown_report(rows: list[dict], plan: Plan) -> str:
+    """Both tables for every optimizer that ran (SFT, DPO, each RL reward), every SFT arm, the K-FAC sweeps and
+    the predicted against measured math KL, as one markdown document."""
     parts = []
-    for optimizer in optimizers:
+    for optimizer in [o for o in (*plan.optimizers, *plan.rl_optimizers()) if _ran(rows, o)]:
         parts += [
-            f"### {optimizer.upper()}: quadratic sensitive drift vs the unregularized run",
-            drift_table(rows, optimizer, is_table_row),
-            f"### {optimizer.upper()}: task progress and held-out capability",
-            capability_table(rows, optimizer, is_table_row),
+            f"### {title(optimizer)}: quadratic sensitive drift vs the unregularized run",
+            drift_table(rows, optimizer, plan.is_table_row),
+            f"### {title(optimizer)}: task progress and held-out capability",
+            capability_table(rows, optimizer, plan.is_table_row),
         ]
-    if "sft" in optimizers:
+    if "sft" in plan.optimizers and _ran(rows, "sft"):
         parts += [
             "### SFT: every arm (all strengths, quality anchors)",
             drift_table(rows, "sft", lambda arm: True, True),
         ]
+    seed, c = plan.seeds[0], plan.table_strength
+    for name, labels in (("rank", rank_labels(plan)), ("anchor size", size_labels(plan))):
+        for optimizer in [o for o in plan.optimizers if plan.kfac_strengths and _ran(rows, o)]:
+            parts += [
+                f"### {title(optimizer)}: CFP-KFAC [math] by {name} (c = {c:g}, seed {seed})",
+                sweep_table(rows, optimizer, labels, c, seed),
+            ]
+    if any("math/kfac_predicted_kl" in r["metrics"] for r in rows):
+        parts += ["### Predicted against measured math KL (nats)", prediction_table(rows)]
     return "\n\n".join(parts) + "\n"

@@ -2,7 +2,9 @@
 
 Results go to `<output_dir>/results.jsonl` as they finish (one JSON object per arm, plus one for the base
 model), so an interrupted run keeps what it measured and `resume=True` skips arms already there. Anchors are
-saved under `<output_dir>/anchors/` and reused on the next run with the same output directory.
+saved under `<output_dir>/anchors/` and reused on the next run with the same output directory; only those the
+arms still to run need are estimated (`anchors.AnchorStore`), before the first of them, so that each row's
+`seconds` are the arm's own (training and measuring).
 """
 
 import json
@@ -12,14 +14,12 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from hf_cfp.anchor import FisherAnchor
-from hf_cfp.fisher import estimate_fisher
 from hf_cfp.loading.models import load_causal_lm, tiny_llama, tiny_tokenizer
 from hf_cfp.loading.prompts import calibration_prompts, eval_items, pirate_preference_triples, pirate_style_pairs
 
-from .controls import isotropic_anchor
+from .anchors import AnchorStore
 from .measure import CapabilityProbe
-from .plan import DOMAINS, Plan
+from .plan import DOMAINS, Plan, rl_reward
 from .training import train_arm
 
 
@@ -38,55 +38,6 @@ def tiny_model_and_tokenizer():
         max_position_embeddings=1024,
     )
     return model, tokenizer
-
-
-def _estimated(model, tokenizer, domain, num_sequences, estimator, seed, plan, path: Path, name) -> FisherAnchor:
-    """An anchor saved at `path`, or estimated from `num_sequences` of the model's own responses and saved."""
-    if (path / "cfp_config.json").exists():
-        return FisherAnchor.from_pretrained(str(path))
-    print(f"Estimating anchor {name!r}: {num_sequences} {domain} sequences, {estimator} estimator, seed {seed}")
-    anchor = estimate_fisher(
-        model,
-        tokenizer,
-        calibration_prompts(domain),
-        num_sequences=num_sequences,
-        max_new_tokens=plan.anchor_new_tokens,
-        batch_size=8,
-        seed=seed,
-        name=name,
-        estimator=estimator,
-    )
-    anchor.save_pretrained(path)
-    return anchor
-
-
-def pooled(parts: list[FisherAnchor], name: str) -> FisherAnchor:
-    """The anchor of all the parts' sequences together: F = (1/K) sum_k F_k for K parts of equally many
-    sequences drawn with different seeds (a mean of independent per-sequence squared scores), by
-    `FisherAnchor.combine` (its metadata lists the parts in `combined_from`)."""
-    return FisherAnchor.combine(parts, name=name)
-
-
-def load_or_estimate_anchors(model, tokenizer, plan: Plan, directory: Path) -> dict[str, FisherAnchor]:
-    """The math, code and safety anchors (`plan.anchor_sequences` each, sequence estimator, seed 0); the
-    quality sweep's math anchors (`plan.quality_anchors`): a multiple K of `anchor_sequences` pools K parts of
-    seeds 0..K-1 (`pooled`), any other size is estimated on its own; and `isotropic` (math's F replaced by its
-    mean). Each estimate is saved to / loaded from `directory/<name>`."""
-    n = plan.anchor_sequences
-    anchors = {d: _estimated(model, tokenizer, d, n, "sequence", 0, plan, directory / d, d) for d in DOMAINS}
-    for name, (size, estimator) in plan.quality_anchors().items():
-        if estimator == "sequence" and size % n == 0:
-            parts = [anchors["math"]] + [
-                _estimated(
-                    model, tokenizer, "math", n, "sequence", k, plan, directory / f"math_part{k}", f"math_part{k}"
-                )
-                for k in range(1, size // n)
-            ]
-            anchors[name] = pooled(parts, name)
-        else:
-            anchors[name] = _estimated(model, tokenizer, "math", size, estimator, 0, plan, directory / name, name)
-    anchors["isotropic"] = isotropic_anchor(anchors["math"])
-    return anchors
 
 
 def read_results(path: Path) -> list[dict]:
@@ -110,22 +61,24 @@ def run_experiment(plan: Plan, model_name: str, output_dir: str, resume: bool = 
     done = done_rows(results_path) if resume else {}
     if not resume:
         results_path.unlink(missing_ok=True)
+    arms = plan.arms()
+    todo = [arm for arm in arms if arm.key not in done]
     base_model, tokenizer = tiny_model_and_tokenizer() if model_name == "tiny" else load_causal_lm(model_name)
-    anchors = load_or_estimate_anchors(base_model, tokenizer, plan, out / "anchors")
+    store = AnchorStore(base_model, tokenizer, plan, out / "anchors")
+    store.prepare({name for arm in todo for name in plan.anchors_of(arm)})
     print("Drawing the base model's held-out responses (once)", flush=True)
     probe = CapabilityProbe(base_model, tokenizer, plan)
     if "base" not in done:
         done["base"] = {"key": "base", "metrics": probe.measure(base_model, greedy=True)}
         append_row(results_path, done["base"])
-    arms = plan.arms()
-    bar = tqdm(arms, desc="arms", unit="arm")
+    bar = tqdm(todo, desc="arms", unit="arm")
     for arm in bar:
-        if arm.key in done:
-            continue
         bar.set_postfix_str(arm.key)
+        anchors = store.for_arm(plan.anchors_of(arm))
         start = time.perf_counter()
         model, drift = train_arm(arm, base_model, tokenizer, anchors, plan, out / "runs")
-        metrics = {**drift, **probe.measure(model, greedy=plan.measures_greedy(arm))}
+        rewards = rl_reward(arm.optimizer) is not None
+        metrics = {**drift, **probe.measure(model, greedy=plan.measures_greedy(arm), rewards=rewards)}
         row = {"key": arm.key, "arm": asdict(arm), "metrics": metrics, "seconds": time.perf_counter() - start}
         done[arm.key] = row
         append_row(results_path, row)

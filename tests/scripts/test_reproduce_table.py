@@ -1,8 +1,10 @@
 """`python scripts/reproduce_table.py --tiny` end to end (about a minute on one thread): every arm of the tiny
-plan trains and is measured, the tables and the frontier plot are written, and a second call resumes from
-`results.jsonl` without training again. Numbers checked: the base row's KL is exactly 0; every seed's
-unregularized SFT run learns its task, and its CFP [math] run leaves less than half the math-sensitive drift
-(lam > 0 reaches the weights); the drift table's entries are the ratios of the stored DtFD values."""
+plan (SFT, DPO and RLOO; diagonal, K-FAC and control methods) trains and is measured, the tables and the frontier
+plot are written, a second call resumes from `results.jsonl` without training again, and `--list` then has
+nothing left. Numbers checked: the base row's KL is exactly 0; every seed's unregularized SFT run learns its task,
+and its CFP [math] run leaves less than half the math-sensitive drift (lam > 0 reaches the weights); the drift
+table's entries are the ratios of the stored DtFD values; a stronger CFP-KFAC [math] leaves a smaller K-FAC
+quadratic; RLOO with the brevity reward moves the weights, and CFP [math] shrinks their math-sensitive drift."""
 
 import json
 import os
@@ -15,7 +17,7 @@ from support.extras import needs
 
 needs("trl", "datasets")
 
-from evidence.plan import TINY  # noqa: E402
+from evidence.plan import TINY, is_new  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
 
@@ -42,7 +44,16 @@ def test_every_arm_ran_and_the_outputs_are_written(tiny_run):
     assert set(rows) == {"base"} | {arm.key for arm in TINY.arms()}
     assert (out / "frontier.png").stat().st_size > 10_000
     report = (out / "evidence.md").read_text()
-    for heading in ("SFT: quadratic sensitive drift", "DPO: quadratic sensitive drift", "DPO: task progress"):
+    for heading in (
+        "SFT: quadratic sensitive drift",
+        "DPO: quadratic sensitive drift",
+        "DPO: task progress",
+        "RLOO (pirate reward): task progress",
+        "RLOO (brevity reward): quadratic sensitive drift",
+        "DPO: CFP-KFAC [math] by rank",
+        "SFT: CFP-KFAC [math] by anchor size",
+        "Predicted against measured math KL",
+    ):
         assert heading in report
     assert "Traceback" not in done.stderr
 
@@ -70,6 +81,18 @@ def test_the_numbers_hang_together(tiny_run):
     assert line.split("|")[2].strip().startswith(f"{sum(ratios) / len(ratios):+.0%}")
 
 
+def test_the_new_arms_hang_together(tiny_run):
+    _, _, rows = tiny_run
+    new = [arm for arm in TINY.arms() if is_new(arm)]
+    assert all(rows[arm.key]["metrics"]["math/kfac_predicted_kl"] >= 0 for arm in new)
+    for optimizer in ("sft", "dpo"):  # lam x 10 on the same seed: a smaller K-FAC quadratic of math
+        weak, strong = (rows[f"{optimizer}/kfac[math]@{c}/seed0"]["metrics"] for c in (1, 10))
+        assert strong["math/kfac_predicted_kl"] < 0.5 * weak["math/kfac_predicted_kl"]
+    free, protected = (rows[f"rloo-brevity/{m}/seed0"]["metrics"] for m in ("unregularized@0", "cfp[math]@1"))
+    assert free["math/dtfd"] > 0 and protected["math/dtfd"] < 0.5 * free["math/dtfd"]
+    assert "task/brevity_gain" in free and "task/pirate_gain" in free
+
+
 def test_a_second_call_resumes_without_training(tiny_run):
     out, _, rows = tiny_run
     before = (out / "results.jsonl").read_text()
@@ -77,6 +100,10 @@ def test_a_second_call_resumes_without_training(tiny_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "results.jsonl").read_text() == before  # nothing re-run, nothing appended
     assert "Estimating anchor" not in again.stdout  # anchors loaded from the first run
+    listed = run_script(out, "--list")
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert f"0 arms to run in {out} ({len(TINY.arms())} done):" in listed.stdout
+    assert "0 anchors to make first:" in listed.stdout
 
 
 def test_report_only_rewrites_the_tables_from_the_results(tiny_run):

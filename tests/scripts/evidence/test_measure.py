@@ -1,6 +1,7 @@
 """CapabilityProbe on the tiny pipeline model: the base model measures exactly zero KL and zero task progress,
 and a perturbed model's task numbers equal a plain reference written here: one unbatched float64 forward per
-(prompt, answer), the prompt through the chat template, the answer's tokens without special tokens."""
+(prompt, answer), the prompt through the chat template, the answer's tokens without special tokens; an RL arm's
+reward gain is the sampled reward of the model minus the base model's (`rewards.sampled_rewards`)."""
 
 import copy
 
@@ -12,6 +13,7 @@ needs("trl", "datasets")
 
 from evidence.measure import CapabilityProbe  # noqa: E402
 from evidence.plan import DOMAINS, TINY  # noqa: E402
+from evidence.rewards import sampled_rewards  # noqa: E402
 from evidence.run import tiny_model_and_tokenizer  # noqa: E402
 from support.references import train_a_little  # noqa: E402
 
@@ -78,3 +80,18 @@ def test_kl_of_a_moved_model_is_the_mean_log_ratio_of_the_stored_base_responses(
         expected = float((stored.base_log_probs - stored.log_probs(moved)).mean())
         assert row[f"{domain}/kl"] == pytest.approx(expected, rel=1e-12)
         assert row[f"{domain}/kl_stderr"] > 0
+
+
+def test_rl_task_progress_is_the_sampled_reward_gain_over_the_base(probe_and_models):
+    probe, base, moved, tokenizer = probe_and_models
+    assert "task/pirate_gain" not in probe.measure(base, greedy=False)  # only with rewards=True (RL arms)
+    row = probe.measure(base, greedy=False, rewards=True)
+    assert row["task/pirate_gain"] == 0.0 and row["task/brevity_gain"] == 0.0  # the same seeded completions
+    after = probe.measure(moved, greedy=False, rewards=True)
+    prompts = [p for p, _ in probe.sft_pairs]
+    now = sampled_rewards(moved, tokenizer, prompts, TINY.rl_eval_samples, TINY.rl_completion_tokens)
+    before = sampled_rewards(base, tokenizer, prompts, TINY.rl_eval_samples, TINY.rl_completion_tokens)
+    for name in ("pirate", "brevity"):
+        assert after[f"task/{name}_reward"] == now[name]
+        assert after[f"task/{name}_gain"] == now[name] - before[name]
+    assert after["task/brevity_gain"] != 0.0  # the perturbation changed the completions

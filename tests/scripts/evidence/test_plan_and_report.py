@@ -10,17 +10,17 @@ from support.extras import needs
 
 needs("trl", "datasets")
 
-from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm  # noqa: E402
+from evidence.anchors import pooled  # noqa: E402
+from evidence.plan import DOMAINS, EMBEDDED, TINY, Arm, is_new  # noqa: E402
 from evidence.report import capability_table, drift_table, frontier_points, row_label  # noqa: E402
-from evidence.run import pooled  # noqa: E402
 
 from hf_cfp import FisherAnchor  # noqa: E402
 
 
 def test_every_arm_is_unique_and_later_seeds_repeat_only_the_table_rows():
     for plan in (TINY, EMBEDDED):
-        arms = plan.arms()
-        assert len({arm.key for arm in arms}) == len(arms)
+        assert len({arm.key for arm in plan.arms()}) == len(plan.arms())
+        arms = plan.diagonal_arms()  # the arms of the first experiment (K-FAC and RL arms: the tests below)
         first, *others = plan.seeds
         for optimizer in plan.optimizers:
             table = [a for a in arms if a.seed == first and a.optimizer == optimizer and plan.is_table_row(a)]
@@ -47,11 +47,14 @@ def test_every_arm_is_unique_and_later_seeds_repeat_only_the_table_rows():
 
 
 def test_greedy_scores_are_measured_on_four_rows_of_the_first_seed():
-    greedy = [a for a in EMBEDDED.arms() if EMBEDDED.measures_greedy(a)]
+    greedy = [a for a in EMBEDDED.diagonal_arms() if EMBEDDED.measures_greedy(a)]
     assert {(a.optimizer, a.method, a.anchor) for a in greedy} == {
         (o, m, anchor) for o in ("sft", "dpo") for m, anchor in [("unregularized", None), ("kl", None)]
     } | {(o, "cfp", d) for o in ("sft", "dpo") for d in ("math", "safety")}
     assert {a.seed for a in greedy} == {EMBEDDED.seeds[0]}
+    # of the new arms: CFP-KFAC [math] and [safety] at c = 1 on the first seed, SFT and DPO (no RL arm)
+    new = [a.key for a in EMBEDDED.arms() if is_new(a) and EMBEDDED.measures_greedy(a)]
+    assert new == [f"{o}/kfac[{d}]@1/seed0" for o in ("sft", "dpo") for d in ("math", "safety")]
 
 
 def _row(optimizer, method, strength, seed, anchor, dtfd, kl=0.0, task=0.0):

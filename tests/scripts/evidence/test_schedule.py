@@ -1,0 +1,72 @@
+"""`reproduce_table.py --list`'s estimate, against its rule written out here: an arm costs the median seconds of
+finished rows of its kind, else the optimizer's plain median plus the K-FAC and greedy costs; anchors cost their
+sequences (and eigendecompositions, one per pairwise mean). On the committed first run's results."""
+
+import json
+import statistics
+from pathlib import Path
+
+from support.extras import needs
+
+needs("trl", "datasets")
+
+from evidence.anchors import AnchorStore  # noqa: E402
+from evidence.plan import EMBEDDED, Arm  # noqa: E402
+from evidence.schedule import EMBEDDED_COSTS as COSTS  # noqa: E402
+from evidence.schedule import anchor_seconds, arm_seconds, remaining  # noqa: E402
+
+COMMITTED = Path(__file__).resolve().parents[3] / "scripts" / "results" / "evidence-smollm2" / "results.jsonl"
+
+
+def committed() -> dict[str, dict]:
+    rows = [json.loads(line) for line in COMMITTED.read_text().splitlines() if line.strip()]
+    return {row["key"]: row for row in rows}
+
+
+def plain(done: dict, optimizer: str) -> float:
+    return statistics.median(
+        r["seconds"]
+        for r in done.values()
+        if "arm" in r and r["arm"]["optimizer"] == optimizer and not EMBEDDED.measures_greedy(Arm(**r["arm"]))
+    )
+
+
+def test_arm_priors_add_the_kfac_costs_to_the_optimizers_plain_median():
+    done = committed()
+    seconds = arm_seconds(EMBEDDED, done, COSTS)
+    assert len(seconds) == 36 and not set(seconds) & set(done)
+    steps, sft, dpo = EMBEDDED.steps, plain(done, "sft"), plain(done, "dpo")
+    # full-rank protection, binding math_kfac (protecting and monitor), greedy scores
+    assert seconds["sft/kfac[math]@1/seed0"] == sft + steps * COSTS.kfac_step + COSTS.kfac_anchor + COSTS.greedy
+    # code_kfac protects, math_kfac monitors: two full-rank anchors bound
+    assert seconds["dpo/kfac[code]@1/seed1"] == dpo + steps * COSTS.kfac_step + 2 * COSTS.kfac_anchor
+    # a truncation is views of math_kfac: only the monitor is read
+    assert seconds["sft/kfac[math_r8]@1/seed0"] == sft + steps * COSTS.kfac_truncated_step + COSTS.kfac_anchor
+    # no RL row finished: the RL prior, plus the math_kfac monitor
+    assert seconds["rloo-pirate/cfp[math]@1/seed0"] == COSTS.rl_arm + COSTS.kfac_anchor
+
+
+def test_finished_rows_of_the_same_kind_replace_the_prior():
+    done = committed()
+    for key, spent in (("sft/kfac[code]@1/seed0", 200.0), ("sft/kfac[math_n16]@1/seed0", 300.0)):
+        arm = next(a for a in EMBEDDED.arms() if a.key == key)
+        done[key] = {"key": key, "arm": arm.__dict__, "metrics": {}, "seconds": spent}
+    seconds = arm_seconds(EMBEDDED, done, COSTS)
+    assert seconds["sft/kfac[safety]@1/seed1"] == 250.0  # median of the two finished full-rank SFT K-FAC rows
+    assert seconds["dpo/kfac[safety]@1/seed1"] != 250.0  # another optimizer: its own prior
+    assert seconds["sft/kfac[math_r64]@1/seed0"] < 200.0  # truncated: another kind
+
+
+def test_anchor_costs_and_the_listing(tmp_path):
+    store = AnchorStore(None, None, EMBEDDED, tmp_path / "anchors")
+    names = {n for arm in EMBEDDED.arms() for n in EMBEDDED.anchors_of(arm) if "kfac" in n}
+    costs = anchor_seconds(store, names, COSTS)
+    per_32 = 32 * COSTS.anchor_sequence
+    assert costs["math_kfac"] == costs["math_kfac_part3"] == per_32 + COSTS.kfac_decomposition
+    assert costs["math_kfac_n16"] == 16 * COSTS.anchor_sequence + COSTS.kfac_decomposition
+    assert costs["math_kfac_n64"] == COSTS.kfac_decomposition  # one pairwise mean
+    assert costs["math_kfac_n128"] == 2 * COSTS.kfac_decomposition  # its second half and the whole
+    assert "math_kfac_r8" not in costs  # derived when loaded
+    text = remaining(EMBEDDED, tmp_path, committed(), COSTS)
+    assert text.startswith(f"36 arms to run in {tmp_path} (44 done):")
+    assert "12 anchors to make first:" in text and text.splitlines()[-1].startswith("references ~120 s; total ~")
