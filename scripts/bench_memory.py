@@ -20,9 +20,9 @@ then the error of keeping F in bfloat16: two copies of a 500k-parameter bf16 vec
 noisy proposals for `--steps` steps, one corrected with F in float32, one with F rounded to bf16, and the
 distance between their paths is reported relative to the drift itself; and, in a fresh process, the peak
 resident memory of the anchor's statistics (`fisher_statistics`; `concentration` shown too) against the anchor's
-own size. Each pass's floor is the bytes its formula must move at the copy's measured bandwidth (the table after the timings;
-the KL budget is timed as one evaluation pass of its solve and as a whole budget step, solve and correction, with
-the budget at half the predicted KL the AdamW steps made). Last line:
+own size. Each pass's floor is the bytes its formula must move at the copy's measured bandwidth (the table after
+the timings; the KL budget is timed as one evaluation pass of its solve and as a whole budget step, solve and
+correction, with the budget at half the predicted KL the AdamW steps made). Last line:
 
   RESULT correction_vs_floor=<f> bf16f_correction_vs_floor=<g> budget_pass_vs_correction=<p>
          budget_step_vs_correction=<q> correction_vs_copy=<x> metrics_vs_correction=<y> dense_bytes_per_param=<d>
@@ -146,8 +146,8 @@ def main():
         for name, state in states.items():
             times[f"correction {name}"] = timed(lambda s=state: s.correct(lam))
             times[f"metrics {name}"] = timed(state.drift_metrics)
-        terms = dense.diagonal.budget_terms  # one evaluation of the KL budget's solve (replicated tensors here)
-        times["budget pass dense"] = timed(lambda: terms([lam]))
+        # one evaluation of the KL budget's solve (replicated tensors here)
+        times["budget pass dense"] = timed(lambda: dense.diagonal.budget_terms([lam]))
         times["budget step dense"] = timed(lambda: dense.correct(dense.budget_lams([budget])))
         if round_:  # the first round warms up (and compiles the fused kernels)
             for key, value in times.items():
