@@ -2,6 +2,7 @@
 diagonal estimate of the same sequences, the correction's cost against an AdamW step, and the anchor's size.
 
     python scripts/bench_kfac.py [--sequences 8] [--new-tokens 32] [--rounds 3] [--threads 2] [--rank 64]
+                                 [--device cpu|cuda]
 
 1. Estimate: `estimate_fisher` of the float32 model on the same seeded prompts and sampler, structure "diagonal"
    and "kfac" (the same responses: same seed, batch size and scoring groups), timed one after the other in each
@@ -30,8 +31,12 @@ from hf_cfp.protection import CFPState
 
 
 def timed(fn) -> tuple[float, object]:
+    """(seconds, value) of fn(), the device synchronized before and after."""
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    synchronize()
     start = time.perf_counter()
     value = fn()
+    synchronize()
     return time.perf_counter() - start, value
 
 
@@ -97,9 +102,11 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rank", type=int, default=64, help="eigenpairs per factor of the truncated correction")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model = smollm2_135m_shaped().eval()
+    parser_device = torch.device(args.device)
+    model = smollm2_135m_shaped().to(parser_device).eval()
     diagonal_s, kfac_s, anchor = estimates(model, args)
     print(f"| estimate ({args.sequences} x {args.new_tokens} tokens) | seconds |\n|---|---|")
     print(f"| diagonal | {diagonal_s:.1f} |\n| kfac | {kfac_s:.1f} |")

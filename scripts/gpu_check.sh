@@ -10,8 +10,12 @@
 #   4. estimate_fisher on CUDA (135M-shaped bf16 model, 32 sequences of 32 new tokens, batch 16): sequences/s of
 #      the batched engine and of the per-sequence loop, and the peak CUDA memory
 #   5. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
-#      option): CPU figures of this machine, to set beside the README's CPU table.
-# Each step is capped (350 s in all; about 3 minutes expected). Then a SUMMARY block. Optional, with >= 2 GPUs:
+#      option): CPU figures of this machine, to set beside the CPU table of docs/reports/performance.md.
+#   6. scripts/bench_kfac.py --device cuda: K-FAC estimate vs diagonal, the K-FAC correction (full rank and rank
+#      64) vs an AdamW step, the factors' floats per parameter
+#   7. scripts/plan_7b.py: the paper-plan for 7-8B models on 8 GPUs (computed, not measured; seconds)
+# Each step is capped (580 s in all, under the 10 minutes of one device call; about 5 minutes expected). Then a
+# SUMMARY block with every RESULT line. Optional, with >= 2 GPUs:
 # `scripts/gpu_check.sh --multi-gpu` also runs scripts/multi_gpu_check.py under accelerate launch with each
 # config of scripts/accelerate/ (see the end).
 # Python: $PYTHON, else .venv/bin/python, else python3 (a CUDA build of torch). Exit status: 1 if any step failed.
@@ -43,8 +47,8 @@ print("torch", torch.__version__, "| CUDA", torch.version.cuda, "|", torch.cuda.
       "| bf16", torch.cuda.is_bf16_supported(), "| transformers", transformers.__version__)
 PY
 
-step cuda_tests 90 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
-step bench_memory 100 "$python" scripts/bench_memory.py --device cuda --rounds 5
+step cuda_tests 120 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
+step bench_memory 120 "$python" scripts/bench_memory.py --device cuda --rounds 5
 step cuda_estimate 100 "$python" - <<'PY'
 import sys
 import time
@@ -81,6 +85,8 @@ for engine in ("batched", "loop"):
           f" (135M-shaped bf16, {sequences} sequences x {new_tokens} new tokens, batch 16, sampling included)")
 PY
 step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --models tiny small --batch 16 --max-new-tokens 32 --repeats 2
+step bench_kfac 150 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 3
+step plan_7b 30 "$python" scripts/plan_7b.py
 
 echo; echo "=== SUMMARY (logs in $logs)"
 grep -h "passed\|failed\|skipped" "$logs/cuda_tests.log" | tail -1
@@ -90,6 +96,8 @@ awk '/^BANDWIDTH/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = k
        100 * v["correction_dense"] / v["copy"], 100 * v["correction_bf16f"] / v["copy"] }' "$logs/bench_memory.log"
 grep -h "^ESTIMATE\|^GENERATE" "$logs/cuda_estimate.log"
 grep -h "^RESULT" "$logs/bench_fisher_cpu.log" | sed 's/^/bench_fisher (CPU) /'
+grep -h "^RESULT" "$logs/bench_kfac.log" | sed 's/^/bench_kfac (cuda) /'
+grep -h "^|" "$logs/plan_7b.log" | head -20
 
 # ---------------------------------------------------------------- optional: >= 2 GPUs
 # FSDP and DeepSpeed through accelerate launch, each config's num_processes (2) on one machine. DeepSpeed needs

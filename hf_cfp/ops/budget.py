@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
+from . import fused
 from .chunks import gather, packs, workspace
-from .correction import AnchorFishers, pack_strength
+from .correction import AnchorFishers, fused_groups, pack_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
 Evaluate = Callable[[Sequence[float]], torch.Tensor]
@@ -45,7 +46,8 @@ def budget_terms(
 
     with P = sum_k lam_k F_k. The tensors covered by the same anchors are laid out in packs of at most `chunk`
     elements (default `chunk_elements(device)`; `packs`) in four reused float32 buffers (`workspace`), each
-    pack's sums accumulated in float64 on the parameters' device (no synchronization per pack). `fishers[i][k]`
+    pack's sums accumulated in float64 on the parameters' device (no synchronization per pack); a tensor covered by
+    one anchor, with theta0 and F beside it, by one fused kernel (`fused`) where they can run. `fishers[i][k]`
     is anchor k's F on `params[i]`, or None."""
     covering = [tuple(k for k, fisher in enumerate(row) if fisher is not None) for row in fishers]
     sums: dict[torch.device, torch.Tensor] = {}
@@ -53,6 +55,8 @@ def budget_terms(
         flats = [param.reshape(-1) for param in params]
         starts = [start.reshape(-1) for start in theta0]
         rows = [[f.reshape(-1) if f is not None else None for f in row] for row in fishers]
+        for i in fused_budget(flats, starts, rows, covering, lams, sums):
+            covering[i] = ()  # done
         for pack in packs(flats, covering, chunk):
             if not pack.key:
                 continue
@@ -67,6 +71,21 @@ def budget_terms(
                 acc[0, k] += 0.5 * weighted.sum(dtype=torch.float64)
                 acc[1, k] -= weighted.mul_(fisher).div_(relief).sum(dtype=torch.float64)
     return sum((acc.cpu() for acc in sums.values()), torch.zeros(2, len(lams), dtype=torch.float64))
+
+
+def fused_budget(flats, starts, rows, covering, lams: Sequence[float], sums: dict[torch.device, torch.Tensor]):
+    """The indices of the tensors whose terms the fused kernel added into `sums[device]` (`fused.run("budget",
+    ...)` on the tensors `correction.fused_groups` picks); none further once the kernels cannot run."""
+    done: list[int] = []
+    for ((device, *_), k), members in fused_groups(flats, starts, rows, covering).items():
+        columns = [[flats[i] for i in members], [starts[i] for i in members], [rows[i][k] for i in members]]
+        terms = fused.run("budget", columns, lams[k])
+        if terms is False:
+            return done
+        acc = sums.setdefault(device, torch.zeros(2, len(lams), dtype=torch.float64, device=device))
+        acc[:, k] += terms.double().sum(0)
+        done += members
+    return done
 
 
 def solve_budget(

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from . import fused
 from .chunks import Pack, flat, gather, packs, scatter, workspace
 
 # Per protected tensor, the F of each protecting anchor on it (None where that anchor does not cover it).
@@ -77,7 +78,9 @@ def proximal_pull_(
     """In place, on every tensor: params <- theta0 + (params - theta0) / (1 + P), P = sum_k lam_k F_k
     (`fishers[i][k]`: anchor k's F on `params[i]`, or None; a tensor no anchor covers is left as it is).
 
-    Any floating dtypes (F and theta0 need not match the parameter's): the tensors covered by the same anchors
+    A tensor covered by one anchor, with theta0 and F beside it, is pulled by one fused kernel (`fused`: read once,
+    written once, no temporary) where the kernels can run. Every other tensor, and all of them otherwise, in any
+    floating dtypes (F and theta0 need not match the parameter's): the tensors covered by the same anchors
     are laid out in packs of at most `chunk` elements (default `chunk_elements(device)`; `packs`), each gathered
     into three float32 buffers (`workspace`), computed there and written back once, so the temporaries are three
     chunks, never the model, and the operations are a few per pack, not per tensor. `params` must be contiguous
@@ -88,6 +91,8 @@ def proximal_pull_(
         flats = [flat(param) for param in params]
         starts = [start.reshape(-1) for start in theta0]
         rows = [[f.reshape(-1) if f is not None else None for f in row] for row in fishers]
+        for i in fused_pulls(flats, starts, rows, covering, lams):
+            covering[i] = ()  # done
         for pack in packs(flats, covering, chunk):
             if not pack.key:
                 continue
@@ -96,3 +101,30 @@ def proximal_pull_(
             origin = gather(origin_buffer, pack, starts)  # theta0 in float32
             delta = gather(delta_buffer, pack, flats).sub_(origin)
             scatter(flats, pack, origin.addcdiv_(delta, relief))  # rounded once to each parameter's dtype
+
+
+def fused_pulls(flats, starts, rows, covering, lams: Sequence[float]) -> list[int]:
+    """The tensors pulled by the fused kernel (`fused.run("pull", ...)`): those `fused_groups` picks; none when the
+    kernels cannot run here (then the pack path does all)."""
+    done: list[int] = []
+    for (_, k), members in fused_groups(flats, starts, rows, covering).items():
+        columns = [[flats[i] for i in members], [starts[i] for i in members], [rows[i][k] for i in members]]
+        if fused.run("pull", columns, lams[k]) is False:
+            return done
+        done += members
+    return done
+
+
+def fused_groups(flats, starts, rows, covering) -> dict[tuple, list[int]]:
+    """(device and dtypes, the covering anchor) -> the indices of the tensors a fused kernel takes: one covering
+    anchor, theta0 and F on the parameter's device, at least `fused.MIN_ELEMENTS` elements."""
+    groups: dict[tuple, list[int]] = {}
+    for i, key in enumerate(covering):
+        if len(key) != 1:
+            continue
+        fisher = rows[i][key[0]]
+        device = flats[i].device
+        if starts[i].device == device and fisher.device == device and flats[i].numel() >= fused.MIN_ELEMENTS:
+            kind = (device, flats[i].dtype, starts[i].dtype, fisher.dtype)
+            groups.setdefault((kind, key[0]), []).append(i)
+    return groups

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import fused
 from .chunks import gather, packs, workspace
 from .order_statistics import order_statistics, rank_of_fraction
 
@@ -52,7 +53,11 @@ def drift_squares(
         flats = [param.reshape(-1) for param in params]
         starts = [start.reshape(-1) if start is not None else None for start in theta0]
         rows = [[f.reshape(-1) if f is not None else None for f in view.fishers] for view in views]
+        for i in fused_drift(flats, starts, rows, keys, views, sums):
+            keys[i] = (False, None)  # done
         for pack in packs(flats, keys, chunk):
+            if pack.key[1] is None:
+                continue
             has_origin, covering = pack.key
             acc = sums.setdefault(
                 pack.device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=pack.device)
@@ -79,3 +84,46 @@ def free_threshold(fisher: Sequence[torch.Tensor], free_fraction: float) -> floa
     exactly by streaming over the tensors one at a time (`order_statistics`), never concatenating them.
     """
     return order_statistics(fisher, lambda n: [rank_of_fraction(free_fraction, n)]).values[0]
+
+
+def fused_drift(flats, starts, rows, keys, views: Sequence[DriftView], sums: dict[torch.device, torch.Tensor]):
+    """The indices of the tensors the fused kernels summed into `sums[device]` (float64 [1 + 2V]): theta0 and every
+    covering F on the parameter's device, at least `fused.MIN_ELEMENTS` elements ("square" for those no view
+    covers, "drift" once per covering view); none further once the kernels cannot run (the pack path does the
+    rest)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (has_origin, covering) in enumerate(keys):
+        device = flats[i].device
+        beside = has_origin and starts[i].device == device and all(rows[v][i].device == device for v in covering)
+        if beside and flats[i].numel() >= fused.MIN_ELEMENTS:
+            kind = (device, flats[i].dtype, starts[i].dtype, tuple(rows[v][i].dtype for v in covering))
+            groups.setdefault((kind, covering), []).append(i)
+    done: list[int] = []
+    for ((device, *_), covering), members in groups.items():
+        found = _group_sums(flats, starts, rows, views, members, covering)
+        if found is None:
+            return done
+        sums.setdefault(device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=device)).add_(found)
+        done += members
+    return done
+
+
+def _group_sums(flats, starts, rows, views, members, covering) -> torch.Tensor | None:
+    """float64 [1 + 2V] of some tensors with the same covering views, by the fused kernels (None when they cannot
+    run)."""
+    params, theta0 = [flats[i] for i in members], [starts[i] for i in members]
+    found = torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=params[0].device)
+    if not covering:
+        total = fused.run("square", [params, theta0])
+        if total is False:
+            return None
+        found[0] = total.double().sum()
+    for n, v in enumerate(covering):
+        part = fused.run("drift", [params, theta0, [rows[v][i] for i in members]], views[v].threshold)
+        if part is False:
+            return None
+        part = part.double().sum(0)
+        found[2 * v + 1 : 2 * v + 3] += part[1:]
+        if n == 0:
+            found[0] = part[0]
+    return found

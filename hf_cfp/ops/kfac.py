@@ -17,6 +17,11 @@ its block alone: the coordinates outside it have weight 0 and keep the proposal.
 
 Under row sharding (FSDP2 splits W along its first dimension) a process holds rows of W and the same rows of
 Q_G: its `rotate` is a partial sum of R, and `reduce` (an all-reduce across processes) completes it.
+
+A basis may carry a leading batch dimension (the bases of n weights of one shape stacked, `protection.kronecker`):
+every function below then works on the stacked weights (n x out x in) at once, by batched matrix products. The
+rotations multiply in the eigenvectors' dtype (bfloat16 bases for bfloat16 weights: the products' rounding, 2^-8
+of the rotated displacement, is at or below the weights' own), everything else in float32.
 """
 
 from collections.abc import Callable, Sequence
@@ -37,7 +42,8 @@ class KroneckerBasis:
     """The eigenbases of one weight's factors, float32, on the weight's device.
 
     Args:
-        a_vectors: Q_A, in x r_A, orthonormal columns (the input factor's top eigenvectors).
+        a_vectors: Q_A, in x r_A, orthonormal columns (the input factor's top eigenvectors); optionally stacked,
+            n x in x r_A, as every part then.
         a_values: alpha, r_A, >= 0.
         g_vectors: Q_G, rows x r_G, the rows of the output factor's top eigenvectors for the rows of W held here
             (all of them on one process).
@@ -50,16 +56,18 @@ class KroneckerBasis:
     g_values: torch.Tensor
 
     def products(self) -> torch.Tensor:
-        """gamma_i alpha_j, r_G x r_A: the quadratic's weights in the rotated coordinates."""
-        return torch.outer(self.g_values, self.a_values)
+        """gamma_i alpha_j, r_G x r_A (float32): the quadratic's weights in the rotated coordinates."""
+        return self.g_values.float().unsqueeze(-1) * self.a_values.float().unsqueeze(-2)
 
     def rotate(self, delta: torch.Tensor) -> torch.Tensor:
-        """Q_G^T Delta Q_A (a partial sum over the rows held here), float32."""
-        return self.g_vectors.T @ (delta.float() @ self.a_vectors)
+        """Q_G^T Delta Q_A (a partial sum over the rows held here), multiplied in the eigenvectors' dtype, float32."""
+        d = delta.to(self.a_vectors.dtype)
+        return (self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors)).float()
 
     def unrotate(self, rotated: torch.Tensor) -> torch.Tensor:
-        """Q_G R Q_A^T on the rows held here."""
-        return (self.g_vectors @ rotated) @ self.a_vectors.T
+        """Q_G R Q_A^T on the rows held here, multiplied in the eigenvectors' dtype, float32."""
+        r = rotated.to(self.a_vectors.dtype)
+        return ((self.g_vectors @ r) @ self.a_vectors.transpose(-2, -1)).float()
 
 
 def rotated_displacements(
@@ -83,7 +91,7 @@ def pull_weights(basis: KroneckerBasis, lam: float) -> torch.Tensor:
 
 def kfac_pull_(
     params: Sequence[torch.Tensor],
-    theta0: Sequence[torch.Tensor],
+    theta0: Sequence[torch.Tensor] | None,
     bases: Sequence[KroneckerBasis],
     lam: float,
     rotated: Sequence[torch.Tensor] | None = None,
@@ -92,11 +100,13 @@ def kfac_pull_(
     """In place, on every weight: theta <- theta0 + D - Q_G [w * (Q_G^T D Q_A)] Q_A^T, D = theta - theta0,
     w = lam gamma alpha^T / (1 + lam gamma alpha^T) (module docstring), computed in float32 and rounded once to
     each parameter's dtype. `rotated`: the R = Q_G^T D Q_A already computed for these proposals (the KL budget's
-    solve computes them first); by default computed here. Temporaries: a few tensors the size of one weight."""
+    solve computes them first; `theta0` is then not read); by default computed here. Temporaries: a few tensors
+    the size of one weight (of one stack of weights)."""
     if lam == 0:
         return
     with torch.no_grad():
         if rotated is None:
+            assert theta0 is not None, "kfac_pull_ needs theta0 or the rotated proposals"
             rotated = rotated_displacements(params, theta0, bases, reduce)
         for param, basis, r in zip(params, bases, rotated, strict=True):
             shrink = basis.unrotate(r * pull_weights(basis, lam))

@@ -1,9 +1,10 @@
 """The tensors whose F is Kronecker-factored: corrected, measured and budgeted in their factors' eigenbases.
 
 `KroneckerTensors` is what `CFPState` adds beside `diagonal.DiagonalTensors` for the weights of K-FAC anchors
-(`ops.kfac` states the math). A weight held whole (one process, DDP) is rotated locally; one whose rows are
-sharded (FSDP2) is rotated as a partial sum over its rows, completed by one all-reduce for all such weights of an
-anchor (the rotated block, r_G x r_A floats per weight, per correction and per metrics call). Its drift sums come,
+(`ops.kfac` states the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
+products). A weight held whole (one process, DDP) is rotated locally; one whose rows are sharded (FSDP2) is
+rotated as a partial sum over its rows, completed by an all-reduce of the batch's rotated blocks (r_G x r_A floats
+per weight; one collective per batch, per correction and per metrics call). Its drift sums come,
 like the diagonal ones, as float64 [1 + 2V] vectors in the metric order of `names.drift_keys`: the rotated sums are
 complete on every process (replicated), the sum of Delta^2 of sharded rows is added across processes by the caller.
 """
@@ -18,27 +19,85 @@ from ..parallel import all_reduce_sum_
 from .memory import MemoryPlan
 from .records import AdaptedTensor, AnchorView, TrackedTensor
 
+BATCH = 8  # weights of one shape rotated together: batched products (on a GPU, far fewer kernel launches)
+
+
+class _Batch:
+    """Up to BATCH weights of one anchor with one shape, dtype and device: their bases stacked (n x ...), in the
+    weights' dtype for bfloat16 / float16 weights (float32 otherwise); each tracked tensor's basis becomes a view
+    of its slice, so the bases are held once. The weights and theta0 are stacked per use (a copy of n weights)."""
+
+    def __init__(self, anchor: str, tensors: list[TrackedTensor]):
+        self.tensors = tensors
+        dtype = tensors[0].param.dtype
+        dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+        parts = [t.kfac[anchor] for t in tensors]
+        self.basis = KroneckerBasis(
+            torch.stack([b.a_vectors.to(dtype) for b in parts]),
+            torch.stack([b.a_values for b in parts]),
+            torch.stack([b.g_vectors.to(dtype) for b in parts]),
+            torch.stack([b.g_values for b in parts]),
+        )
+        for i, t in enumerate(tensors):
+            b = self.basis
+            t.kfac[anchor] = KroneckerBasis(b.a_vectors[i], b.a_values[i], b.g_vectors[i], b.g_values[i])
+
+    def weights(self) -> torch.Tensor:
+        """The weights now, as out x in views, stacked (a copy)."""
+        return torch.stack([t.oriented(t.local()) for t in self.tensors])
+
+    def theta0(self) -> torch.Tensor:
+        return torch.stack([t.oriented(t.theta0) for t in self.tensors])
+
+    def write(self, stacked: torch.Tensor) -> None:
+        """Each weight <- its slice of `stacked`."""
+        for t, value in zip(self.tensors, stacked, strict=True):
+            t.oriented(t.local()).copy_(value)
+
 
 class _Factored:
-    """One anchor's K-FAC weights of one kind (held whole, or row-sharded): their oriented views and bases."""
+    """One anchor's K-FAC weights of one kind (held whole, or row-sharded), in batches of like weights."""
 
     def __init__(self, anchor: str, tensors: list[TrackedTensor], sharded: bool):
-        self.anchor, self.tensors, self.sharded = anchor, tensors, sharded
-        self.bases: list[KroneckerBasis] = [t.kfac[anchor] for t in tensors]
-        self.theta0 = [t.oriented(t.theta0) for t in tensors]
-
-    def locals(self) -> list[torch.Tensor]:
-        """The weights' local tensors now, as out x in views."""
-        return [t.oriented(t.local()) for t in self.tensors]
+        self.anchor, self.sharded = anchor, sharded
+        kinds: dict[tuple, list[TrackedTensor]] = {}
+        for t in tensors:
+            basis, local = t.kfac[anchor], t.oriented(t.local())
+            key = (tuple(local.shape), tuple(basis.a_vectors.shape), tuple(basis.g_vectors.shape), local.dtype)
+            kinds.setdefault((*key, local.device), []).append(t)
+        self.batches = [
+            _Batch(anchor, same[i : i + BATCH]) for same in kinds.values() for i in range(0, len(same), BATCH)
+        ]
 
     def reduce(self, rotated: list[torch.Tensor]) -> None:
         """Complete partial rotations of row-sharded weights (one all-reduce); nothing for whole ones."""
         if self.sharded and rotated:
             all_reduce_sum_(rotated)
 
-    def rotated(self) -> list[torch.Tensor]:
-        """R' = Q_G^T (theta - theta0) Q_A of every weight now, complete."""
-        return rotated_displacements(self.locals(), self.theta0, self.bases, self.reduce)
+    @torch.no_grad()
+    def rotated(self, batch: _Batch, weights: torch.Tensor | None = None) -> torch.Tensor:
+        """R' = Q_G^T (theta - theta0) Q_A of one batch now (n x r_G x r_A), complete."""
+        weights = batch.weights() if weights is None else weights
+        return rotated_displacements([weights], [batch.theta0()], [batch.basis], self.reduce)[0]
+
+    @torch.no_grad()
+    def pull_(self, lam: float, rotated: list[torch.Tensor] | None = None) -> None:
+        """Every batch pulled from its rotated proposal (`ops.kfac.kfac_pull_`; rotated here one batch at a time
+        unless given), written back."""
+        for i, batch in enumerate(self.batches):
+            weights = batch.weights()
+            r = rotated[i] if rotated is not None else self.rotated(batch, weights)
+            kfac_pull_([weights], None, [batch.basis], lam, rotated=[r])
+            batch.write(weights)
+
+    @torch.no_grad()
+    def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(complete, local) `ops.kfac.kfac_drift_squares` over every batch."""
+        complete, local = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        for b in self.batches:
+            found = kfac_drift_squares([b.weights()], [b.theta0()], [b.basis], threshold, self.reduce)
+            complete, local = complete + found[0], local + found[1]
+        return complete, local
 
 
 class KroneckerTensors:
@@ -68,22 +127,24 @@ class KroneckerTensors:
         return [(self.protecting.index(g.anchor), g) for g in self.groups if g.anchor in self.protecting]
 
     def _versions(self) -> tuple[int, ...]:
-        return tuple(t.local()._version for _, g in self.protected() for t in g.tensors)
+        return tuple(t.local()._version for _, g in self.protected() for b in g.batches for t in b.tensors)
 
     def proposal(self) -> list[list[torch.Tensor]]:
-        """The protected weights' rotated proposals R' (kept until the weights change: the KL budget's solve and the
-        correction that follows it rotate once)."""
+        """The protected weights' rotated proposals R', per group and batch (kept until the weights change: the KL
+        budget's solve and the correction that follows it rotate once; held meanwhile, one float32 per rotated
+        coordinate)."""
         versions = self._versions()
         if self._proposal is None or self._proposal[0] != versions:
-            self._proposal = (versions, [g.rotated() for _, g in self.protected()])
+            self._proposal = (versions, [[g.rotated(b) for b in g.batches] for _, g in self.protected()])
         return self._proposal[1]
 
     def correct(self, lams: Sequence[float]) -> None:
         """Delta <- Delta - Q_G [w * R'] Q_A^T, w = lam gamma alpha^T / (1 + lam gamma alpha^T), on every protected
-        weight, with its anchor's lam (`ops.kfac.kfac_pull_`)."""
-        rotated = self.proposal()
-        for (k, group), r in zip(self.protected(), rotated, strict=True):
-            kfac_pull_(group.locals(), group.theta0, group.bases, lams[k], rotated=r)
+        weight, with its anchor's lam (`ops.kfac.kfac_pull_`): from the kept proposals after a budget solve, else
+        rotating one batch at a time (its temporaries: a few stacks of BATCH weights)."""
+        kept = self._proposal[1] if self._proposal is not None and self._proposal[0] == self._versions() else None
+        for n, (k, group) in enumerate(self.protected()):
+            group.pull_(lams[k], kept[n] if kept is not None else None)
         self._proposal = None
 
     def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,9 +155,7 @@ class KroneckerTensors:
         replicated, sharded = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
         for group in self.groups:
             v = self.order.index(group.anchor)
-            complete, local = kfac_drift_squares(
-                group.locals(), group.theta0, group.bases, self.thresholds[group.anchor], group.reduce
-            )
+            complete, local = group.drift(self.thresholds[group.anchor])
             replicated[1 + 2 * v] += complete[0]
             replicated[2 + 2 * v] += complete[1]
             (sharded if group.sharded else replicated)[2 + 2 * v] += local[0]
@@ -106,18 +165,19 @@ class KroneckerTensors:
         """[KL_k, dKL_k / dlam_k] of the protected K-FAC weights (float64 [2, K], complete on every process) for the
         rotated proposals (`ops.kfac.kfac_budget_terms`)."""
         terms = torch.zeros(2, len(self.protecting), dtype=torch.float64)
-        for (k, group), r in zip(self.protected(), self.proposal(), strict=True):
-            terms[:, k] += kfac_budget_terms(r, group.bases, lams[k])
+        for (k, group), rotated in zip(self.protected(), self.proposal(), strict=True):
+            terms[:, k] += kfac_budget_terms(rotated, [b.basis for b in group.batches], lams[k])
         return terms
 
     def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
         """P = lam_k gamma alpha^T on the kept rotated coordinates of every protected weight, computed when read
         (for the pull profile)."""
-        return _Strengths([(basis, float(lams[k])) for k, group in self.protected() for basis in group.bases])
+        return _Strengths([(b.basis, float(lams[k])) for k, group in self.protected() for b in group.batches])
 
     def kept(self) -> list[torch.Tensor]:
         """The eigenbases CFP keeps for these weights."""
-        return [t for g in self.groups for b in g.bases for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values)]
+        bases = [b.basis for g in self.groups for b in g.batches]
+        return [t for b in bases for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values)]
 
 
 class _Strengths(Sequence[torch.Tensor]):
