@@ -44,7 +44,7 @@ def drift_squares(
     """
     if any(len(view.fishers) != len(params) for view in views):
         raise ValueError(f"drift_squares: every view needs one F (or None) per tensor, {len(params)} tensors.")
-    keys = [
+    keys: list[tuple[bool, tuple[int, ...] | None]] = [  # (has theta0, covering views); None once fused
         (start is not None, tuple(v for v, view in enumerate(views) if view.fishers[i] is not None))
         for i, start in enumerate(theta0)
     ]
@@ -59,6 +59,7 @@ def drift_squares(
             if pack.key[1] is None:
                 continue
             has_origin, covering = pack.key
+            assert covering is not None  # fused tensors were skipped above
             acc = sums.setdefault(
                 pack.device, torch.zeros(1 + 2 * len(views), dtype=torch.float64, device=pack.device)
             )

@@ -58,7 +58,7 @@ def _budget(param, theta0, fisher, lam):
     return torch.stack([0.5 * weighted.double().sum(), -(weighted * f / relief).double().sum()])
 
 
-_FUNCTIONS = {"pull": _pull, "drift": _drift, "square": _square, "budget": _budget}
+_FUNCTIONS: dict[str, Callable] = {"pull": _pull, "drift": _drift, "square": _square, "budget": _budget}
 
 
 def run(kernel: str, columns: Sequence[Sequence[torch.Tensor]], scalar: float | None = None):
