@@ -24,9 +24,9 @@ import time
 
 import torch
 from bench_peft import smollm2_135m_shaped  # scripts/ is on sys.path when run
+from evidence.controls import truncated_anchor
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.protection import CFPState
 
 
@@ -61,15 +61,6 @@ def estimates(model, args) -> tuple[float, float, FisherAnchor]:
     return statistics.median(diagonal), statistics.median(kfac), anchor
 
 
-def truncated(anchor: FisherAnchor, rank: int) -> FisherAnchor:
-    """The same anchor with each factor's top `rank` eigenpairs only (largest first)."""
-    bases = {
-        name: KroneckerBasis(b.a_vectors[:, :rank], b.a_values[:rank], b.g_vectors[:, :rank], b.g_values[:rank])
-        for name, b in anchor.kfac.items()
-    }
-    return FisherAnchor(dict(anchor.fisher), name=anchor.name, metadata=dict(anchor.metadata), kfac=bases)
-
-
 def corrections(model, anchor: FisherAnchor, args) -> dict[str, float]:
     """Median seconds of an AdamW step and of the K-FAC correction at full rank and at `args.rank`."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -78,7 +69,8 @@ def corrections(model, anchor: FisherAnchor, args) -> dict[str, float]:
         p.grad = torch.randn_like(p) * 1e-3
     optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
     lam = 1.0 / anchor.metadata["statistics"]["p99"]
-    states = {"full": CFPState(bf16, anchor), f"rank{args.rank}": CFPState(bf16, truncated(anchor, args.rank))}
+    truncated = truncated_anchor(anchor, args.rank, f"{anchor.name}_r{args.rank}")
+    states = {"full": CFPState(bf16, anchor), f"rank{args.rank}": CFPState(bf16, truncated)}
     rows: dict[str, list[float]] = {"adamw": [], **{name: [] for name in states}}
     for _ in range(args.rounds):
         rows["adamw"].append(timed(optimizer.step)[0])
