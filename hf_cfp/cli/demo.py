@@ -16,4 +16,5 @@ def run(args) -> None:
         output_dir=args.output_dir,
         peft=args.peft,
         learning_rate=args.learning_rate,
+        structure=args.structure,
     )

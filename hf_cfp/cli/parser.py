@@ -97,6 +97,12 @@ def _add_demo(commands, debug) -> None:
     )
     demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     demo.add_argument(
+        "--structure",
+        choices=("diagonal", "kfac"),
+        default="diagonal",
+        help="the math anchor's structure: diagonal F, or kfac (Kronecker factors A (x) G of each Linear weight)",
+    )
+    demo.add_argument(
         "--lam", type=non_negative_float, default=None, help="CFP strength (default 1 / p99 of the anchor's F)"
     )
     demo.add_argument("--output-dir", default="cfp-demo")

@@ -133,8 +133,10 @@ def run_demo(
     output_dir: str = "cfp-demo",
     peft: bool = False,
     learning_rate: float | None = None,
+    structure: str = "diagonal",
 ) -> dict:
-    """Run both arms and report; returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
+    """Run both arms and report (the math anchor's `structure`: "diagonal", or "kfac" for Kronecker factors of
+    the Linear weights); returns {"lam", "ratio", "learning_rate", "plain", "cfp"} (histories per
     arm), "models" (the trained model of each arm: a PeftModel with `peft`) and "capability" (the held-out
     math measurements of `report_capability` for "base", "plain" and "cfp"). The tiny demo runs on one
     torch thread (restored after).
@@ -145,10 +147,10 @@ def run_demo(
     if peft:
         require("hf-cfp demo --peft", "peft")
     with torch_threads(1 if tiny else None):
-        return _run(tiny, steps, num_sequences, max_new_tokens, lam, Path(output_dir), peft, learning_rate)
+        return _run(tiny, steps, num_sequences, max_new_tokens, lam, Path(output_dir), peft, learning_rate, structure)
 
 
-def _run(tiny, steps, num_sequences, max_new_tokens, lam, out: Path, peft: bool, learning_rate) -> dict:
+def _run(tiny, steps, num_sequences, max_new_tokens, lam, out: Path, peft: bool, learning_rate, structure) -> dict:
     with stage(1, "Loading " + ("a random tiny Llama" if tiny else f"{EMBEDDED} (GGUF, de-quantized to float32)")):
         if tiny:
             model, tokenizer, prompts, dataset = _tiny_setup()
@@ -161,8 +163,9 @@ def _run(tiny, steps, num_sequences, max_new_tokens, lam, out: Path, peft: bool,
     arm_model = _lora_copy if peft else copy.deepcopy
     with stage(
         2,
-        f"Estimating the math anchor: {num_sequences} responses of up to {max_new_tokens} tokens sampled from "
-        f"the model on {min(num_sequences, len(prompts))} of the {len(prompts)} calibration prompts, then scored",
+        f"Estimating the math anchor ({structure}): {num_sequences} responses of up to {max_new_tokens} tokens "
+        f"sampled from the model on {min(num_sequences, len(prompts))} of the {len(prompts)} calibration prompts, "
+        "then scored",
     ):
         anchor = estimate_fisher(
             model,
@@ -172,6 +175,7 @@ def _run(tiny, steps, num_sequences, max_new_tokens, lam, out: Path, peft: bool,
             max_new_tokens=max_new_tokens,
             batch_size=8,
             name="math",
+            structure=structure,
         )
         anchor.save_pretrained(out / "anchor-math")
     stats = anchor.metadata["statistics"]

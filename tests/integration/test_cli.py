@@ -38,7 +38,8 @@ def test_cli_push_pull_inspect(local_hub, tmp_path, capsys):
 def test_demo_flags_reach_run_demo(monkeypatch):
     calls = []
     monkeypatch.setattr("hf_cfp.cli.demo.run_demo", lambda **kwargs: calls.append(kwargs))
-    main(["demo", "--tiny", "--peft", "--steps", "3", "--learning-rate", "0.01"])
+    main(["demo", "--tiny", "--peft", "--steps", "3", "--learning-rate", "0.01", "--structure", "kfac"])
     main(["demo"])
     assert calls[0]["tiny"] and calls[0]["peft"] and calls[0]["steps"] == 3 and calls[0]["learning_rate"] == 0.01
+    assert calls[0]["structure"] == "kfac" and calls[1]["structure"] == "diagonal"
     assert not calls[1]["tiny"] and not calls[1]["peft"] and calls[1]["learning_rate"] is None

@@ -73,6 +73,17 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     check_capability_lines(result, out)
 
 
+def test_tiny_demo_with_a_kfac_anchor_protects_its_quadratic(tmp_path):
+    pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    result = run_demo(
+        tiny=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path), structure="kfac"
+    )
+    anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
+    assert anchor.structure == "kfac" and result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
+    assert all(c[KEY] < p[KEY] for p, c in zip(result["plain"], result["cfp"], strict=True))
+    assert result["ratio"] < -0.5
+
+
 def merged_drift(model: "PeftModel", fisher: dict[str, torch.Tensor]) -> dict[str, float]:
     """The drift metrics recomputed from PEFT's merged model minus its base weights, in float64."""
     base = copy.deepcopy(model).unload().state_dict()
