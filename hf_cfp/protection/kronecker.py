@@ -61,9 +61,9 @@ class _Factored:
     def __init__(self, anchor: str, tensors: list[TrackedTensor], sharded: bool):
         self.anchor, self.sharded = anchor, sharded
         kinds: dict[tuple, list[TrackedTensor]] = {}
-        for t in tensors:
+        for t in tensors:  # keyed by the full shape: every process forms the same batches (their collectives match)
             basis, local = t.kfac[anchor], t.oriented(t.local())
-            key = (tuple(local.shape), tuple(basis.a_vectors.shape), tuple(basis.g_vectors.shape), local.dtype)
+            key = (tuple(t.param.shape), tuple(basis.a_vectors.shape), basis.g_vectors.shape[1], local.dtype)
             kinds.setdefault((*key, local.device), []).append(t)
         self.batches = [
             _Batch(anchor, same[i : i + BATCH]) for same in kinds.values() for i in range(0, len(same), BATCH)
