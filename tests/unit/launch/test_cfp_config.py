@@ -141,6 +141,7 @@ def test_a_hub_reference_is_loaded_when_the_callback_is_built_or_computed_if_mis
 
 
 def test_the_train_commands_help_lists_every_cfp_key_with_the_declared_help():
+    needs("trl")
     from hf_cfp.launch.train import make_parser
 
     text = " ".join(make_parser("dpo").format_help().split())  # argparse formats help with %: escaped once
