@@ -33,7 +33,7 @@ def main():
     args = parser.parse_args()
 
     from hf_cfp import CFPState
-    from hf_cfp.protection import state as state_module
+    from hf_cfp.protection import diagonal as diagonal_module
 
     torch.set_num_threads(args.threads)
     model = smollm2_135m_shaped()
@@ -45,13 +45,13 @@ def main():
     fixed = CFPState(model, anchor)  # a fixed lam
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     passes = []
-    count_passes = state_module.budget_terms
+    count_passes = diagonal_module.budget_terms
 
     def counted(*a, **k):
         passes[-1] += 1
         return count_passes(*a, **k)
 
-    state_module.budget_terms = counted  # count the solve's passes over the parameters (2 per evaluation:
+    diagonal_module.budget_terms = counted  # count the solve's passes over the parameters (2 per evaluation:
     # the replicated and the sharded part, the latter empty here)
 
     def step():
