@@ -165,13 +165,15 @@ def estimate_fisher(
         sampler=settings.sampler,
         pad_id=settings.pad_id,
     )
+    disable = not show_progress or plan.rank != 0
     sums: FisherSums = (
-        KroneckerFisherSums(model, list(named), diagonal, kfac_rank, name) if structure == "kfac" else diagonal(named)
+        KroneckerFisherSums(model, list(named), diagonal, kfac_rank, name, show_progress=not disable)
+        if structure == "kfac"
+        else diagonal(named)
     )
     groups = ScoringGroups(estimator == "token", batch_size, scoring_tokens)
     with _evaluating(model):
         check_causal_lm(model, prompt_ids[0])
-        disable = not show_progress or plan.rank != 0
         with (
             requiring_grad(sums.params),
             _progress_bar(name, plan.sequences, labels is None, max_new_tokens, disable) as bar,

@@ -5,6 +5,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from ..anchor.kfac import eigenbasis
@@ -35,7 +36,7 @@ class KroneckerFisherSums:
     each K-FAC weight, added by the same scoring passes (the engines' `kronecker` argument); T, the unpadded
     positions scored, is counted beside them. `finish` divides (A = S_A / T, G = S_G / N) and decomposes each
     factor into its top `rank` eigenpairs (`anchor.kfac.basis_from_factors`; consecutive equal factors, such as
-    the input factor of q, k and v projections, are decomposed once)."""
+    the input factor of q, k and v projections, are decomposed once), with a progress bar when `show_progress`."""
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class KroneckerFisherSums:
         diagonal: Callable[[list[tuple[str, torch.Tensor]]], DiagonalSums],
         rank: int | None,
         anchor_name: str,
+        show_progress: bool = False,
     ):
         factored = kfac_weights(model, named)
         self.diagonal = diagonal([(n, p) for n, p in named if n not in factored])
@@ -55,7 +57,7 @@ class KroneckerFisherSums:
         ]
         self.params = [*self.diagonal.params, *self.weights]
         self.tokens = torch.zeros(1, dtype=torch.float64)
-        self.rank, self.anchor_name = rank, anchor_name
+        self.rank, self.anchor_name, self.show_progress = rank, anchor_name, show_progress
 
     def add(self, model, prompts: list, responses: list, supports: list, first_half: bool) -> None:
         sums = self.diagonal.first if first_half else self.diagonal.second
@@ -84,7 +86,14 @@ class KroneckerFisherSums:
         fisher, _, reliability = self.diagonal.finish()
         bases = {}
         last_a: torch.Tensor | None = None
-        for name, sums in zip(self.names, self.sums, strict=True):
+        weights = tqdm(
+            zip(self.names, self.sums, strict=True),
+            total=len(self.names),
+            desc=f"K-FAC bases[{self.anchor_name}]",
+            unit="weight",
+            disable=not self.show_progress,
+        )
+        for name, sums in weights:  # the eigendecompositions: seconds per large factor on a CPU
             a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
             if last_a is None or not torch.equal(a, last_a):
                 last_a, (alpha_a, vectors_a) = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
