@@ -217,8 +217,9 @@ def test_fused_kernels_on_cuda_match_float64():
     theta0 = torch.randn(n, generator=g).bfloat16()
     proposal = (theta0.float() + torch.randn(n, generator=g)).bfloat16()
     fisher = torch.rand(n, generator=g) * 3
-    param = proposal.to(CUDA)
+    param = proposal.to(CUDA, copy=True)
     proximal_pull_([param], [theta0.to(CUDA)], [[fisher.to(CUDA)]], [LAM])
+    assert fused.available(), "the kernels fell back to the pack path on this GPU (see the logged warning)"
     want = theta0.double() + (proposal.double() - theta0.double()) / (1 + LAM * fisher.double())
     assert_one_bf16_rounding(param, want, proposal.double(), theta0.double())
     delta, f = proposal.double() - theta0.double(), fisher.double()
@@ -263,3 +264,8 @@ def test_kfac_correction_on_cuda_is_the_dense_solve():
         kernel = torch.kron(gg.double(), a.double())
         want = theta0[name].reshape(-1) + torch.linalg.solve(torch.eye(len(d), dtype=torch.float64) + 30.0 * kernel, d)
         assert torch.allclose(params[name].reshape(-1), want, atol=1e-5), name
+    # the pull moved the factored weights (q and k barely: their G is ~1e-6 at a random init; v, o, lm_head a lot)
+    assert max(float((params[n] - proposal[n]).abs().max()) for n in anchor.kfac_names) > 1e-2
+    for name, fisher in anchor.fisher.items():
+        want = theta0[name] + (proposal[name] - theta0[name]) / (1 + 30.0 * fisher.double())
+        assert torch.allclose(params[name], want, atol=1e-6), name

@@ -12,13 +12,14 @@ import os
 
 import pytest
 import torch
+from support.extras import needs
+from support.references import assert_metrics_match, drift_reference, train_a_little
+from support.tiny import anchor_for, tiny_llama
+from support.training import last_cfp_logs, short_run
 
-pytest.importorskip("bitsandbytes", reason="the QLoRA tests need bitsandbytes (pip install 'hf-cfp[qlora]')")
+needs("bitsandbytes", "peft")  # the `qlora` extra
 
 from peft import LoraConfig, get_peft_model  # noqa: E402
-from support.references import assert_metrics_match, drift_reference, train_a_little
-from support.tiny import anchor_for, tiny_llama  # noqa: E402
-from support.training import last_cfp_logs, short_run
 from transformers import (  # noqa: E402
     BitsAndBytesConfig,
     LlamaForCausalLM,
