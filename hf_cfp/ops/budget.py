@@ -25,9 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import CFPError
-from . import fused
 from .chunks import gather, packs, workspace
-from .correction import AnchorFishers, fused_groups, pack_strength
+from .correction import AnchorFishers, fused_runs, pack_strength
 
 # lams -> float64 tensor [2, K]: row 0 the predicted KL of each anchor, row 1 dKL_k / dlam_k.
 Evaluate = Callable[[Sequence[float]], torch.Tensor]
@@ -74,14 +73,10 @@ def budget_terms(
 
 
 def fused_budget(flats, starts, rows, covering, lams: Sequence[float], sums: dict[torch.device, torch.Tensor]):
-    """The indices of the tensors whose terms the fused kernel added into `sums[device]` (`fused.run("budget",
-    ...)` on the tensors `correction.fused_groups` picks); none further once the kernels cannot run."""
+    """The indices of the tensors whose terms the fused kernel ("budget", `correction.fused_runs`) added into
+    `sums[device]`."""
     done: list[int] = []
-    for ((device, *_), k), members in fused_groups(flats, starts, rows, covering).items():
-        columns = [[flats[i] for i in members], [starts[i] for i in members], [rows[i][k] for i in members]]
-        terms = fused.run("budget", columns, lams[k])
-        if terms is False:
-            return done
+    for device, k, members, terms in fused_runs("budget", flats, starts, rows, covering, lams):
         acc = sums.setdefault(device, torch.zeros(2, len(lams), dtype=torch.float64, device=device))
         acc[:, k] += terms.double().sum(0)
         done += members

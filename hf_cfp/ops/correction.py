@@ -104,27 +104,24 @@ def proximal_pull_(
 
 
 def fused_pulls(flats, starts, rows, covering, lams: Sequence[float]) -> list[int]:
-    """The tensors pulled by the fused kernel (`fused.run("pull", ...)`): those `fused_groups` picks; none when the
-    kernels cannot run here (then the pack path does all)."""
-    done: list[int] = []
-    for (_, k), members in fused_groups(flats, starts, rows, covering).items():
-        columns = [[flats[i] for i in members], [starts[i] for i in members], [rows[i][k] for i in members]]
-        if fused.run("pull", columns, lams[k]) is False:
-            return done
-        done += members
-    return done
+    """The tensors pulled by the fused kernel ("pull", in place): those `fused_runs` reaches."""
+    return [i for _, _, members, _ in fused_runs("pull", flats, starts, rows, covering, lams) for i in members]
 
 
-def fused_groups(flats, starts, rows, covering) -> dict[tuple, list[int]]:
-    """(device and dtypes, the covering anchor) -> the indices of the tensors a fused kernel takes: one covering
-    anchor, theta0 and F on the parameter's device, at least `fused.MIN_ELEMENTS` elements."""
-    groups: dict[tuple, list[int]] = {}
+def fused_runs(kernel: str, flats, starts, rows, covering, lams: Sequence[float]):
+    """Yield (device, anchor k, the tensors' indices, the kernel's result) for each group of tensors a fused kernel
+    takes (one covering anchor k, theta0 and F on the parameter's device, at least `fused.MIN_ELEMENTS` elements),
+    `kernel` run on them with lam_k; stop at the first group the kernels cannot run (the pack path does the rest)."""
+    groups: dict[tuple[torch.device, int], list[int]] = {}
     for i, key in enumerate(covering):
         if len(key) != 1:
             continue
-        fisher = rows[i][key[0]]
         device = flats[i].device
-        if starts[i].device == device and fisher.device == device and flats[i].numel() >= fused.MIN_ELEMENTS:
-            kind = (device, flats[i].dtype, starts[i].dtype, fisher.dtype)
-            groups.setdefault((kind, key[0]), []).append(i)
-    return groups
+        if starts[i].device == device and rows[i][key[0]].device == device and flats[i].numel() >= fused.MIN_ELEMENTS:
+            groups.setdefault((device, key[0]), []).append(i)
+    for (device, k), members in groups.items():
+        columns = [[flats[i] for i in members], [starts[i] for i in members], [rows[i][k] for i in members]]
+        result = fused.run(kernel, columns, lams[k])
+        if result is False:
+            return
+        yield device, k, members, result

@@ -97,10 +97,9 @@ def fused_drift(flats, starts, rows, keys, views: Sequence[DriftView], sums: dic
         device = flats[i].device
         beside = has_origin and starts[i].device == device and all(rows[v][i].device == device for v in covering)
         if beside and flats[i].numel() >= fused.MIN_ELEMENTS:
-            kind = (device, flats[i].dtype, starts[i].dtype, tuple(rows[v][i].dtype for v in covering))
-            groups.setdefault((kind, covering), []).append(i)
+            groups.setdefault((device, covering), []).append(i)
     done: list[int] = []
-    for ((device, *_), covering), members in groups.items():
+    for (device, covering), members in groups.items():
         found = _group_sums(flats, starts, rows, views, members, covering)
         if found is None:
             return done
