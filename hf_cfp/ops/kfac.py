@@ -129,16 +129,21 @@ def kfac_drift_squares(
     coordinates whose weight is <= threshold, is then complete[1] + sum Delta^2: rotation keeps the norm, and
     the coordinates outside a truncated basis have weight 0."""
     rotated = rotated_displacements(params, theta0, bases, reduce)
-    complete = torch.zeros(2, dtype=torch.float64)
-    local = torch.zeros(1, dtype=torch.float64)
+    sums = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
         for param, start, basis, r in zip(params, theta0, bases, rotated, strict=True):
-            squares = r.square()
-            weights = basis.products()
-            complete[0] += float(torch.mul(squares, weights).sum(dtype=torch.float64))
-            complete[1] += float(squares[weights > threshold].sum(dtype=torch.float64).neg())
-            local[0] += float((param.float() - start.float()).square().sum(dtype=torch.float64))
-    return complete, local
+            squares, weights = r.square(), basis.products()
+            sums.append(
+                torch.stack(
+                    [
+                        torch.mul(squares, weights).sum(dtype=torch.float64),
+                        -torch.where(weights > threshold, squares, 0.0).sum(dtype=torch.float64),
+                        (param.float() - start.float()).square().sum(dtype=torch.float64),
+                    ]
+                )
+            )
+    total = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
+    return total[:2], total[2:]
 
 
 def kfac_budget_terms(rotated: Sequence[torch.Tensor], bases: Sequence[KroneckerBasis], lam: float) -> torch.Tensor:
@@ -149,12 +154,13 @@ def kfac_budget_terms(rotated: Sequence[torch.Tensor], bases: Sequence[Kronecker
 
     the predicted KL after the correction `kfac_pull_` would make with this lam (its rotated coordinates are
     R' / (1 + lam P) on the kept block, the rest has weight 0)."""
-    terms = torch.zeros(2, dtype=torch.float64)
+    terms = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
         for r, basis in zip(rotated, bases, strict=True):
             weights = basis.products()
             relief = weights.mul(float(lam)).add_(1.0)
             weighted = r.square().mul_(weights).div_(relief.square())  # P R'^2 / (1 + lam P)^2
-            terms[0] += 0.5 * float(weighted.sum(dtype=torch.float64))
-            terms[1] -= float(weighted.mul_(weights).div_(relief).sum(dtype=torch.float64))
-    return terms
+            kl = 0.5 * weighted.sum(dtype=torch.float64)
+            slope = -weighted.mul_(weights).div_(relief).sum(dtype=torch.float64)
+            terms.append(torch.stack([kl, slope]))
+    return torch.stack(terms).sum(0).cpu() if terms else torch.zeros(2, dtype=torch.float64)
