@@ -11,6 +11,7 @@ from accelerate import PartialState
 from ..anchor import validate_anchor_name
 from ..errors import AnchorValidationError, CFPArgumentError
 from ..fisher import estimate_fisher
+from ..fisher.estimate_checks import check_structure
 from ..fisher.sampling import Sampler
 from ..loading.models import load_causal_lm
 from ..loading.prompts import load_prompts
@@ -28,6 +29,10 @@ def run(args) -> None:
     Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
     if args.kfac_rank is not None and args.structure != "kfac":
         raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
+    try:
+        check_structure(args.structure, args.kfac_rank, args.estimator)  # the rest of estimate_fisher's rule
+    except CFPArgumentError as error:
+        raise CFPArgumentError(f"--structure: {error}") from None
     prompts = load_prompts(args.prompts)
     check_model_source(args.model)  # last: the embedded model's check needs an installed extra
     state = PartialState()  # joins the process group under `accelerate launch` / torchrun

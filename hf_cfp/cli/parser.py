@@ -12,6 +12,7 @@ from ..loading.prompts import CALIBRATION_SETS
 from .failures import EXIT_USAGE
 
 ANCHOR_REFERENCE = "anchor directory, or Hub reference org/model[@revision][:subfolder]"
+STRUCTURES = ("diagonal", "kfac")  # fisher.estimate_checks.STRUCTURES (not imported: it imports torch)
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -98,7 +99,7 @@ def _add_demo(commands, debug) -> None:
     demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     demo.add_argument(
         "--structure",
-        choices=("diagonal", "kfac"),
+        choices=STRUCTURES,
         default="diagonal",
         help="the math anchor's structure: diagonal F, or kfac (Kronecker factors A (x) G of each Linear weight)",
     )
@@ -139,7 +140,7 @@ def _add_estimate(commands, debug) -> None:
     estimate.add_argument("--engine", choices=("batched", "loop"), default="batched")
     estimate.add_argument(
         "--structure",
-        choices=("diagonal", "kfac"),
+        choices=STRUCTURES,
         default="diagonal",
         help="kfac: Kronecker factors A (x) G for each Linear weight (the interactions inside a layer), diagonal F "
         "elsewhere",

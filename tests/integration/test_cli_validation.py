@@ -61,6 +61,10 @@ MISTAKES = {
     "kfac rank without kfac": (["--kfac-rank", "8"], "--kfac-rank applies to --structure kfac"),
     "kfac rank zero": (["--structure", "kfac", "--kfac-rank", "0"], "argument --kfac-rank: must be an integer >= 1"),
     "unknown structure": (["--structure", "blocks"], "argument --structure: invalid choice: 'blocks'"),
+    "kfac with the token estimator": (
+        ["--structure", "kfac", "--estimator", "token"],
+        "--structure: structure='kfac' pools each sequence's positions once",
+    ),
 }
 
 
