@@ -20,7 +20,6 @@ def render_card(anchor: NamedFisher, reference: str) -> ModelCard:
         base_model=base if base and "/" in base and " " not in base else None, library_name="hf-cfp", tags=TAGS
     )
     shape = concentration(AnchorWeights(anchor.fisher, anchor.kfac))
-    ranks = {int(b.a_vectors.shape[1]) for b in anchor.kfac.values()} if anchor.kfac else set()
     template = resources.files(__package__).joinpath("templates/fisher_anchor.md").read_text(encoding="utf-8")
     return ModelCard.from_template(
         card_data,
@@ -29,7 +28,6 @@ def render_card(anchor: NamedFisher, reference: str) -> ModelCard:
         reference=reference,
         kfac_weights=len(anchor.kfac),
         kfac_rank=meta.get("kfac_rank") or "full",
-        kfac_input_ranks=sorted(ranks),
         base_model=base,
         base_revision=meta.get("base_model_revision"),
         num_prompts=meta.get("num_prompts", "?"),

@@ -44,7 +44,7 @@ def combine_parts(anchors: Sequence[NamedFisher], weights: Sequence[float] | Non
     kfac = _pooled_factors(anchors, weights)
     metadata = {key: first.metadata[key] for key in BASE_MODEL_KEYS if key in first.metadata}
     if kfac:
-        metadata.update(structure="kfac", num_tokens=sum(float(p.metadata["num_tokens"]) for p in anchors))
+        metadata.update(num_tokens=sum(float(p.metadata["num_tokens"]) for p in anchors))
     metadata["combined_from"] = [
         {"name": part.name, "weight": float(weight), "reference": hub_reference(part)}
         for part, weight in zip(anchors, weights, strict=True)

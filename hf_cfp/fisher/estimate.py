@@ -194,7 +194,7 @@ def estimate_fisher(
         trainable_only=trainable_only,
     )
     if structure == "kfac":
-        metadata.update(structure="kfac", kfac_rank=kfac_rank, num_tokens=float(sums.tokens))  # type: ignore[attr-defined]
+        metadata.update(kfac_rank=kfac_rank, num_tokens=float(sums.tokens))  # type: ignore[attr-defined]
     return FisherAnchor(fisher, name=name, metadata=metadata, kfac=bases)
 
 

@@ -52,11 +52,6 @@ class KroneckerSums:
             torch.zeros(out_features, out_features, dtype=torch.float32, device=device),
         )
 
-    def add_inputs(self, a: torch.Tensor, mask: torch.Tensor) -> None:
-        """S_A += sum over the unpadded positions (mask (B, T) true) of a a^T; a: (B, T, in)."""
-        rows = a[mask].float()
-        self.a_sum.addmm_(rows.T, rows)
-
     def add_output_grads(self, g: torch.Tensor, mask: torch.Tensor) -> None:
         """S_G += sum over the unpadded positions of g g^T; g: (B, T, out)."""
         rows = g[mask].float()

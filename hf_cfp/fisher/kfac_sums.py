@@ -97,9 +97,8 @@ class KroneckerFisherSums:
             a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
             if last_a is None or not torch.equal(a, last_a):
                 last_a, (alpha_a, vectors_a) = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
-            alpha, q_a = alpha_a.clone(), vectors_a.clone()  # own tensors: safetensors refuses shared ones
             gamma, q_g = eigenbasis(name, "G", g, self.anchor_name, self.rank)
-            bases[name] = KroneckerBasis(q_a, alpha, q_g, gamma)
+            bases[name] = KroneckerBasis(vectors_a, alpha_a, q_g, gamma)
         self.sums = []
         return fisher, bases, reliability
 
