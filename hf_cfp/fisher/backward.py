@@ -26,20 +26,24 @@ class Consumer:
     of its module); then `accumulate` adds sum_b (sum_u G_{u,b})^2 and they are released. A use
     whose gradient never arrives (autograd found it undefined: zero) is left out, in `flush`."""
 
-    def __init__(self, calls, owners, fallback, accumulators, batch_size, max_chunk_elements):
+    def __init__(
+        self,
+        calls,
+        owners,
+        fallback,
+        accumulators,
+        batch_size,
+        max_chunk_elements,
+        kronecker: Mapping[int, KroneckerSums],
+        mask: torch.Tensor,
+    ):
+        """`kronecker`: the weights that add S_G += sum g g^T over the unpadded positions (`mask`, (B, T)) of each
+        call's output gradient instead of their per-sequence squares."""
         self.calls, self.owners, self.fallback = calls, owners, fallback
         self.accumulators, self.batch_size, self.max_chunk_elements = accumulators, batch_size, max_chunk_elements
-        self.pending: dict[int, list[Use]] = {}
-        self.remaining = Counter(i for c in calls for _, i in self._covered(c))
-        self.kronecker: Mapping[int, KroneckerSums] = {}
-        self.mask: torch.Tensor | None = None
-
-    def add_kronecker(self, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor) -> None:
-        """For these weights add S_G += sum g g^T over the unpadded positions (`mask`, (B, T)) of each call's output
-        gradient, instead of their per-sequence squares."""
         self.kronecker, self.mask = kronecker, mask
-        for i in kronecker:
-            self.remaining.pop(i, None)
+        self.pending: dict[int, list[Use]] = {}
+        self.remaining = Counter(i for c in calls for _, i in self._covered(c) if i not in kronecker)
 
     def _covered(self, call):
         return [(role, i) for role, i in self.owners[call.module][1].items() if i not in self.fallback]
@@ -69,7 +73,6 @@ class Consumer:
         x, call.x = call.x.detach(), None
         for role, i in self._covered(call):
             if i in self.kronecker:
-                assert self.mask is not None  # set with the Kronecker sums (`add_kronecker`)
                 self.kronecker[i].add_output_grads(g, self.mask)
                 continue
             self.pending.setdefault(i, []).append(Use(kind, role, x, g, call.module))

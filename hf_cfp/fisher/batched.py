@@ -111,7 +111,8 @@ def add_batched_squared_scores(
     batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device, supports)
     owners, fallback = _find_owners(model, params, live)
 
-    tracer = _Tracer(owners, kronecker, batch.mask.bool())
+    mask = batch.mask.bool()  # the unpadded positions, for the K-FAC factors
+    tracer = _Tracer(owners, kronecker, mask)
     try:
         logits = model(
             input_ids=batch.ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=False
@@ -132,8 +133,7 @@ def add_batched_squared_scores(
     if max_chunk_elements is None:
         max_chunk_elements = default_chunk_elements(batch.ids.device)
     if calls:
-        consumer = Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements)
-        consumer.add_kronecker(kronecker, batch.mask.bool())
+        consumer = Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements, kronecker, mask)
         consumer.backward(total)
     del total, calls
 
