@@ -229,50 +229,47 @@ def split_stored(stored: Mapping, anchor_name: str, lazy: bool) -> tuple[dict, M
     return diagonal, read_bases(kronecker, anchor_name)
 
 
-class AnchorWeights(Mapping[str, torch.Tensor]):
+class _PerCoordinate(Mapping[str, torch.Tensor]):
+    """An anchor's diagonal F by parameter name, beside a tensor per K-FAC weight computed when read
+    (`_kronecker`, what each subclass defines)."""
+
+    def __init__(self, fisher: Mapping[str, torch.Tensor], bases: Mapping[str, KroneckerBasis]):
+        self.fisher, self.bases = fisher, bases
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._kronecker(name) if name in self.bases else self.fisher[name]
+
+    def _kronecker(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.fisher
+        yield from self.bases
+
+    def __len__(self) -> int:
+        return len(self.fisher) + len(self.bases)
+
+
+class AnchorWeights(_PerCoordinate):
     """Every coordinate's weight in an anchor's quadratic, by parameter name, computed when read: the diagonal F,
     and for a K-FAC weight the products gamma alpha^T of its rotated coordinates then zeros for those a truncated
     basis leaves out (`RotatedWeights`). What the anchor's statistics (scale, p99, concentration) run over."""
 
-    def __init__(self, fisher: Mapping[str, torch.Tensor], bases: Mapping[str, KroneckerBasis]):
-        self.fisher, self.bases = fisher, bases
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in self.bases:
-            out_dim, in_dim = weight_shape(self.bases, name)
-            return RotatedWeights([self.bases[name]], [out_dim * in_dim])[0]
-        return self.fisher[name]
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self.fisher
-        yield from self.bases
-
-    def __len__(self) -> int:
-        return len(self.fisher) + len(self.bases)
+    def _kronecker(self, name: str) -> torch.Tensor:
+        out_dim, in_dim = weight_shape(self.bases, name)
+        return RotatedWeights([self.bases[name]], [out_dim * in_dim])[0]
 
 
-class ImpliedDiagonal(Mapping[str, torch.Tensor]):
+class ImpliedDiagonal(_PerCoordinate):
     """The diagonal of each K-FAC weight's A (x) G, diag(G) diag(A)^T (out x in), beside the diagonal F of the other
     parameters, computed when read: coordinates two K-FAC anchors share even when their eigenbases differ (what
     `compare` reads)."""
 
-    def __init__(self, fisher: Mapping[str, torch.Tensor], bases: Mapping[str, KroneckerBasis]):
-        self.fisher, self.bases = fisher, bases
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.bases:
-            return self.fisher[name]
+    def _kronecker(self, name: str) -> torch.Tensor:
         basis = self.bases[name]
         diag_a = (basis.a_vectors.square() * basis.a_values).sum(1)
         diag_g = (basis.g_vectors.square() * basis.g_values).sum(1)
         return torch.outer(diag_g, diag_a)
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self.fisher
-        yield from self.bases
-
-    def __len__(self) -> int:
-        return len(self.fisher) + len(self.bases)
 
 
 def factor_cosines(a: Mapping[str, KroneckerBasis], b: Mapping[str, KroneckerBasis]) -> dict[str, float]:
