@@ -10,7 +10,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import AnchorMismatchError
-from ..ops.kfac import KroneckerBasis
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
 from .kfac import ImpliedDiagonal, factor_cosines
 from .protocol import NamedFisher
@@ -101,18 +100,16 @@ def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
             "coordinates do not correspond. Compare two anchors of one structure (estimate both with the same "
             "--structure)."
         )
-    if a.kfac:
-        found = compare_anchors(_Implied(a), _Implied(b))
-        return {**found, "factor_cosine": factor_cosines(a.kfac, {n: b.kfac[n] for n in a.kfac})}
-    difference = layout_difference(a.fisher, b.fisher)
+    fisher_a, fisher_b = ImpliedDiagonal(a.fisher, a.kfac), ImpliedDiagonal(b.fisher, b.kfac)  # F itself if diagonal
+    difference = layout_difference(fisher_a, fisher_b)
     if difference is not None:
         raise AnchorMismatchError(
             f"Anchors {a.name!r} and {b.name!r} cover different parameters: {difference}. Compare anchors "
             "estimated for the same base model with the same trainable parameters."
         )
-    fa = list(a.fisher.values())
-    fb = [b.fisher[name] for name in a.fisher]
-    shares_a, shares_b = _shares(a.fisher), _shares(b.fisher)
+    fa = list(fisher_a.values())
+    fb = [fisher_b[name] for name in fisher_a]
+    shares_a, shares_b = _shares(fisher_a), _shares(fisher_b)
     kinds = sorted(shares_a.keys() | shares_b.keys(), key=lambda k: -max(shares_a.get(k, 0.0), shares_b.get(k, 0.0)))
     return {
         "a": a.name,
@@ -121,16 +118,8 @@ def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
         "top_overlap": {label: top_overlap(fa, fb, q) for label, q in TOP_FRACTIONS},
         "cosine": cosine(fa, fb),
         "module_types": [{"type": k, "share_a": shares_a.get(k, 0.0), "share_b": shares_b.get(k, 0.0)} for k in kinds],
+        **({"factor_cosine": factor_cosines(a.kfac, b.kfac)} if a.kfac else {}),
     }
-
-
-class _Implied:
-    """A K-FAC anchor seen as its implied diagonal (a `NamedFisher` without K-FAC part)."""
-
-    def __init__(self, anchor: NamedFisher):
-        self.name, self.metadata = anchor.name, anchor.metadata
-        self.kfac: dict[str, KroneckerBasis] = {}
-        self.fisher = ImpliedDiagonal(anchor.fisher, anchor.kfac)
 
 
 def _shares(fisher: Mapping[str, torch.Tensor]) -> dict[str, float]:
