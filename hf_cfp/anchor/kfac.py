@@ -1,24 +1,30 @@
-"""The Kronecker-factored part of an anchor: per Linear-like weight W (out x in), F_W ~ A (x) G kept as the
-eigenbases of A (in x in) and G (out x out), stored in the same safetensors files as the diagonal F under the
-keys `kfac/<parameter name>/<part>` (parameter names never hold a `/`, so the keys cannot collide).
+"""The Kronecker-factored part of an anchor: per Linear-like weight W (out x in), F_W ~ A (x) G kept as the top
+eigenpairs of A (in x in) and G (out x out) and, for a factor that keeps fewer than all, its tail (the mean of the
+eigenvalues left out, `ops.kfac`), stored in the same safetensors files as the diagonal F under the keys
+`kfac/<parameter name>/<part>` (parameter names never hold a `/`, so the keys cannot collide). The tails are
+0-dim tensors `a_tail` / `g_tail`, present for a truncated factor only (an anchor saved before tails existed
+reads as a tail of 0).
 
 A factor given dense is checked (square, finite, symmetric, positive semi-definite up to rounding) and
-decomposed once, A = Q_A diag(alpha) Q_A^T, keeping the top `rank` eigenpairs; eigenvalues rounded below 0 are
-set to 0. A basis read back is checked too (finite, alpha >= 0, orthonormal columns, consistent shapes), so a
-corrupt file fails at load, not during training.
+decomposed once, A = U_A diag(alpha) U_A^T, keeping the top `rank` eigenpairs and the tail
+rho_A = (tr A - sum alpha) / (in - rank) (`tail="mean"`; "zero" treats the rest as free); eigenvalues rounded
+below 0 are set to 0. A basis read back is checked too (finite, alpha >= rho >= 0, orthonormal columns, consistent
+shapes), so a corrupt file fails at load, not during training.
 """
 
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import AnchorValidationError
+from ..errors import AnchorValidationError, CFPArgumentError
 from ..names import canonical_name
 from ..ops.kfac import KroneckerBasis
 from .storage import StoredTensor, read_stored
 
 KFAC_PREFIX = "kfac/"
 PARTS = ("a_vectors", "a_values", "g_vectors", "g_values")
+TAIL_PARTS = ("a_tail", "g_tail")  # stored for a truncated factor only
+TAILS = ("mean", "zero")  # the tail of a truncated factor: the mean of what was left out, or 0 (free)
 _SYMMETRY_TOLERANCE = 1e-4  # relative to the factor's largest entry
 _PSD_TOLERANCE = 1e-5  # the smallest eigenvalue may be this much of the largest below 0 (rounding)
 _ORTHONORMAL_TOLERANCE = 2e-2  # max |Q^T Q - I|: float32 bases about 1e-7, bfloat16-saved ones up to 5e-3 (n = 8)
@@ -44,20 +50,42 @@ def kfac_weight_names(keys: Sequence[str] | Iterator[str]) -> list[str]:
 
 
 def basis_from_factors(
-    name: str, a: torch.Tensor, g: torch.Tensor, anchor_name: str, rank: int | None = None
+    name: str, a: torch.Tensor, g: torch.Tensor, anchor_name: str, rank: int | None = None, tail: str = "mean"
 ) -> KroneckerBasis:
     """The eigenbases of dense factors A (in x in) and G (out x out), float32 on the CPU, each truncated to its top
-    `rank` eigenpairs (None: all). Raises AnchorValidationError for a factor that is not a finite symmetric PSD
+    `rank` eigenpairs (None: all) with its `tail` ("mean": rho = (tr X - sum of the kept eigenvalues) / (dim -
+    rank); "zero": the rest free). Raises AnchorValidationError for a factor that is not a finite symmetric PSD
     square matrix."""
-    alpha, q_a = eigenbasis(name, "A", a, anchor_name, rank)
-    gamma, q_g = eigenbasis(name, "G", g, anchor_name, rank)
-    return KroneckerBasis(q_a, alpha, q_g, gamma)
+    return with_tails(
+        *eigenbasis(name, "A", a, anchor_name, rank, tail), *eigenbasis(name, "G", g, anchor_name, rank, tail)
+    )
+
+
+def with_tails(
+    a_values: torch.Tensor,
+    a_vectors: torch.Tensor,
+    a_tail: torch.Tensor | None,
+    g_values: torch.Tensor,
+    g_vectors: torch.Tensor,
+    g_tail: torch.Tensor | None,
+) -> KroneckerBasis:
+    """The basis of two factors' (eigenvalues, eigenvectors, tail) as `eigenbasis` gives them; a factor with no
+    tail beside one that has one gets a tail of 0."""
+    if a_tail is None and g_tail is None:
+        return KroneckerBasis(a_vectors, a_values, g_vectors, g_values)
+    zero = torch.zeros((), dtype=torch.float32)
+    return KroneckerBasis(a_vectors, a_values, g_vectors, g_values, _or(a_tail, zero), _or(g_tail, zero))
+
+
+def _or(tail: torch.Tensor | None, zero: torch.Tensor) -> torch.Tensor:
+    return zero if tail is None else tail
 
 
 def eigenbasis(
-    name: str, which: str, factor: torch.Tensor, anchor_name: str, rank: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(eigenvalues, eigenvectors) of one factor, largest first, top `rank`, float32."""
+    name: str, which: str, factor: torch.Tensor, anchor_name: str, rank: int | None, tail: str = "mean"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(eigenvalues, eigenvectors, tail) of one factor, largest first, top `rank`, float32; the tail (0-dim) is
+    None when every eigenpair is kept (`truncated_spectrum`)."""
     m = torch.as_tensor(factor).detach().to("cpu", torch.float64)
     where = f"Anchor {anchor_name!r}: K-FAC factor {which} of {name!r}"
     if m.dim() != 2 or m.shape[0] != m.shape[1]:
@@ -73,16 +101,56 @@ def eigenbasis(
             f"{where} is not positive semi-definite (smallest eigenvalue {float(values[0]):.3g}); a factor is a "
             "second moment, sum x x^T: re-estimate the anchor."
         )
+    values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
     keep = len(values) if rank is None else min(rank, len(values))
-    values, vectors = values.flip(0)[:keep].clamp(min=0), vectors.flip(1)[:, :keep]
-    return values.float().contiguous(), vectors.float().contiguous()
+    kept, rho = truncated_spectrum(values, float(values.sum()), len(values), keep, tail)
+    return kept, vectors[:, :keep].float().contiguous(), rho
+
+
+def truncated_spectrum(
+    values: torch.Tensor, trace: float, dim: int, keep: int, tail: str
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the top `keep` of a dim x dim factor's eigenvalues `values` (largest first, >= 0) as float32, its tail):
+    with `tail="mean"`, rho = (trace - sum of the kept) / (dim - keep), trace-preserving, clamped to [0, the
+    smallest kept] against rounding; "zero": 0; None when all `dim` are kept. `values` may hold only the top
+    eigenvalues (a sketch, a truncated basis): `trace` carries the rest."""
+    if tail not in TAILS:
+        raise CFPArgumentError(f"kfac_tail={tail!r}: choose one of {list(TAILS)}.")
+    kept = values[:keep].float().contiguous()
+    if keep >= dim:
+        return kept, None
+    if tail == "zero":
+        return kept, torch.zeros((), dtype=torch.float32)
+    rest = (trace - float(values[:keep].double().sum())) / (dim - keep)
+    ceiling = float(kept[-1]) if keep else rest
+    return kept, torch.tensor(min(max(rest, 0.0), ceiling), dtype=torch.float32)
+
+
+def truncate_basis(basis: KroneckerBasis, rank: int, tail: str = "mean") -> KroneckerBasis:
+    """`basis` cut to the top `rank` eigenpairs of each factor (a stored basis is largest first) with `tail` for
+    the rest: "mean" keeps each factor's trace (its kept eigenvalues plus its old tail times the directions it
+    covered), "zero" treats the rest as free (the plain truncation the evidence compares with)."""
+    parts = []
+    for vectors, values, old in (
+        (basis.a_vectors, basis.a_values, basis.tails()[0]),
+        (basis.g_vectors, basis.g_values, basis.tails()[1]),
+    ):
+        dim, stored = vectors.shape[-2], values.shape[-1]
+        trace = float(values.double().sum()) + float(old) * (dim - stored)
+        kept, rho = truncated_spectrum(values, trace, dim, min(rank, stored), tail)
+        parts.append((kept, vectors[..., : kept.shape[-1]], rho))
+    return with_tails(*parts[0], *parts[1])
 
 
 def check_basis(name: str, basis: KroneckerBasis, anchor_name: str) -> None:
     """Raise AnchorValidationError when a stored basis is not one: shapes that do not fit, NaN/Inf, negative
-    eigenvalues, or columns that are not orthonormal."""
+    eigenvalues, a tail that is negative, 0-dim-less or above the factor's kept eigenvalues, or columns that are
+    not orthonormal."""
     where = f"Anchor {anchor_name!r}: K-FAC basis of {name!r}"
-    for which, vectors, values in (("A", basis.a_vectors, basis.a_values), ("G", basis.g_vectors, basis.g_values)):
+    tails = (basis.a_tail, basis.g_tail)
+    for which, vectors, values, tail in zip(
+        "AG", (basis.a_vectors, basis.g_vectors), (basis.a_values, basis.g_values), tails, strict=True
+    ):
         if vectors.dim() != 2 or values.dim() != 1 or vectors.shape[1] != values.shape[0]:
             raise AnchorValidationError(
                 f"{where}: {which} has eigenvectors of shape {tuple(vectors.shape)} for eigenvalues of shape "
@@ -95,23 +163,53 @@ def check_basis(name: str, basis: KroneckerBasis, anchor_name: str) -> None:
                 f"{where}: {which} has negative eigenvalues (min {float(values.min()):.3g}); a factor is positive "
                 "semi-definite, the anchor is corrupt."
             )
+        if tail is not None:
+            _check_tail(f"{where}: {which}", tail, values)
         gram = vectors.double().T @ vectors.double()
         off = (gram - torch.eye(len(values), dtype=torch.float64)).abs()
         if off.numel() and float(off.max()) > _ORTHONORMAL_TOLERANCE:
             raise AnchorValidationError(f"{where}: {which}'s eigenvectors are not orthonormal; the anchor is corrupt.")
 
 
+def _check_tail(where: str, tail: torch.Tensor, values: torch.Tensor) -> None:
+    """A tail is one finite number in [0, the smallest kept eigenvalue] (up to float32 rounding)."""
+    if tail.numel() != 1 or not bool(torch.isfinite(tail).all()) or float(tail) < 0:
+        raise AnchorValidationError(
+            f"{where} has a tail of {tail.tolist()}; a tail is one eigenvalue >= 0, the anchor is corrupt."
+        )
+    if values.numel() and float(tail) > float(values.min()) * (1 + 1e-5) + 1e-30:
+        raise AnchorValidationError(
+            f"{where}: its tail {float(tail):.4g} exceeds its smallest kept eigenvalue {float(values.min()):.4g}; "
+            "the tail is the mean of the eigenvalues left out, the anchor is corrupt."
+        )
+
+
 def dense_factors(basis: KroneckerBasis) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A, G) = (Q_A diag(alpha) Q_A^T, Q_G diag(gamma) Q_G^T), float32: the factors the basis keeps (rank-r
-    matrices when it was truncated)."""
-    a = (basis.a_vectors * basis.a_values) @ basis.a_vectors.T
-    g = (basis.g_vectors * basis.g_values) @ basis.g_vectors.T
-    return a, g
+    """(A_r, G_r), float32: X_r = U diag(values) U^T + rho (I - U U^T) for each factor (rho = 0 without a tail:
+    rank-r matrices)."""
+    rho_a, rho_g = basis.tails()
+    return (
+        _dense(basis.a_vectors, basis.a_values, rho_a),
+        _dense(basis.g_vectors, basis.g_values, rho_g),
+    )
+
+
+def _dense(vectors: torch.Tensor, values: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    dense = (vectors * (values - tail)) @ vectors.T
+    return dense + tail * torch.eye(vectors.shape[0]) if float(tail) else dense
+
+
+def stored_parts(basis: KroneckerBasis) -> dict[str, torch.Tensor]:
+    """The tensors a basis stores, by part name: the eigenpairs, and its tails when it has them."""
+    parts = {part: getattr(basis, part) for part in PARTS}
+    if basis.tailed:
+        parts.update(zip(TAIL_PARTS, basis.tails(), strict=True))
+    return parts
 
 
 def basis_tensors(bases: Mapping[str, KroneckerBasis]) -> dict[str, torch.Tensor]:
     """The stored tensors of the bases, by key."""
-    return {stored_key(name, part): getattr(basis, part) for name, basis in bases.items() for part in PARTS}
+    return {stored_key(name, part): t for name, basis in bases.items() for part, t in stored_parts(basis).items()}
 
 
 def read_bases(stored: Mapping[str, torch.Tensor], anchor_name: str) -> dict[str, KroneckerBasis]:
@@ -123,27 +221,30 @@ def read_bases(stored: Mapping[str, torch.Tensor], anchor_name: str) -> dict[str
             raise AnchorValidationError(
                 f"Anchor {anchor_name!r}: the K-FAC basis of {name!r} lacks {missing}; the anchor is corrupt."
             )
-        basis = KroneckerBasis(*(stored[stored_key(name, part)].float().contiguous() for part in PARTS))
+        parts = {
+            part: stored[stored_key(name, part)].float().contiguous()
+            for part in (*PARTS, *TAIL_PARTS)
+            if stored_key(name, part) in stored
+        }
+        basis = KroneckerBasis(**parts)
         check_basis(name, basis, anchor_name)
         bases[name] = basis
     return bases
 
 
 class RotatedWeights(Sequence[torch.Tensor]):
-    """The quadratic's weights of every rotated coordinate of the K-FAC weights, a tensor per weight computed when
-    read (so a streaming pass, `ops.order_statistics`, never holds them all): gamma alpha^T on the kept block,
-    then the zeros of the coordinates a truncated basis leaves out (out x in - r_G r_A of them)."""
+    """The quadratic's eigenvalue of every coordinate of the K-FAC weights, a tensor per weight computed when read
+    (so a streaming pass, `ops.order_statistics`, never holds them all): `KroneckerBasis.coordinate_weights`, the
+    kept block's gamma alpha^T then the tail blocks' (or, without a tail, the zeros of the coordinates left out)."""
 
-    def __init__(self, bases: Sequence[KroneckerBasis], numels: Sequence[int]):
-        self.bases, self.numels = bases, numels
+    def __init__(self, bases: Sequence[KroneckerBasis], shapes: Sequence[tuple[int, int]]):
+        self.bases, self.shapes = bases, shapes
 
     def __len__(self) -> int:
         return len(self.bases)
 
     def __getitem__(self, i):  # an integer index
-        products = self.bases[i].products().reshape(-1)
-        left_out = self.numels[i] - products.numel()
-        return torch.cat([products, products.new_zeros(left_out)]) if left_out else products
+        return self.bases[i].coordinate_weights(*self.shapes[i])
 
 
 def kronecker_bases(given, anchor_name: str) -> Mapping[str, KroneckerBasis]:
@@ -158,9 +259,8 @@ def kronecker_bases(given, anchor_name: str) -> Mapping[str, KroneckerBasis]:
     for key, value in given.items():
         name = canonical_name(key)
         if isinstance(value, KroneckerBasis):
-            basis = KroneckerBasis(
-                *(getattr(value, part).detach().to("cpu", torch.float32).contiguous() for part in PARTS)
-            )
+            parts = stored_parts(value)
+            basis = KroneckerBasis(**{k: t.detach().to("cpu", torch.float32).contiguous() for k, t in parts.items()})
             check_basis(name, basis, anchor_name)
         else:
             a, g = value
@@ -171,7 +271,7 @@ def kronecker_bases(given, anchor_name: str) -> Mapping[str, KroneckerBasis]:
 
 class LazyBases(Mapping[str, KroneckerBasis]):
     """weight name -> its K-FAC basis, read from the anchor's files at each access and checked (`check_basis`);
-    `rows` reads only some rows of Q_G (a process holding rows of the weight, FSDP2)."""
+    `rows` reads only some rows of U_G (a process holding rows of the weight, FSDP2)."""
 
     def __init__(self, stored: Mapping[str, StoredTensor], anchor_name: str):
         self._stored, self.anchor_name = stored, anchor_name
@@ -181,19 +281,21 @@ class LazyBases(Mapping[str, KroneckerBasis]):
         return self.rows(name, None)
 
     def rows(self, name: str, rows: slice | None) -> KroneckerBasis:
-        """The basis of `name` with Q_G's rows `rows` only (None: all)."""
+        """The basis of `name` with U_G's rows `rows` only (None: all)."""
         if name not in self._names:
             raise KeyError(name)
-        parts = []
-        for part in PARTS:
+        parts = {}
+        for part in (*PARTS, *TAIL_PARTS):
             key = stored_key(name, part)
             if key not in self._stored:
+                if part in TAIL_PARTS:
+                    continue
                 raise AnchorValidationError(
                     f"Anchor {self.anchor_name!r}: the K-FAC basis of {name!r} lacks {part!r}; the anchor is corrupt."
                 )
             index = (rows,) if part == "g_vectors" and rows is not None else None
-            parts.append(read_stored(key, self._stored[key], index))
-        basis = KroneckerBasis(*parts)
+            parts[part] = read_stored(key, self._stored[key], index)
+        basis = KroneckerBasis(**parts)
         if rows is None:
             check_basis(name, basis, self.anchor_name)
         return basis
@@ -252,23 +354,23 @@ class _PerCoordinate(Mapping[str, torch.Tensor]):
 
 class AnchorWeights(_PerCoordinate):
     """Every coordinate's weight in an anchor's quadratic, by parameter name, computed when read: the diagonal F,
-    and for a K-FAC weight the products gamma alpha^T of its rotated coordinates then zeros for those a truncated
-    basis leaves out (`RotatedWeights`). What the anchor's statistics (scale, p99, concentration) run over."""
+    and for a K-FAC weight the eigenvalue of each of its coordinates in A_r (x) G_r (`RotatedWeights`). What the
+    anchor's statistics (scale, p99, concentration) run over."""
 
     def _kronecker(self, name: str) -> torch.Tensor:
-        out_dim, in_dim = weight_shape(self.bases, name)
-        return RotatedWeights([self.bases[name]], [out_dim * in_dim])[0]
+        return RotatedWeights([self.bases[name]], [weight_shape(self.bases, name)])[0]
 
 
 class ImpliedDiagonal(_PerCoordinate):
-    """The diagonal of each K-FAC weight's A (x) G, diag(G) diag(A)^T (out x in), beside the diagonal F of the other
-    parameters, computed when read: coordinates two K-FAC anchors share even when their eigenbases differ (what
-    `compare` reads)."""
+    """The diagonal of each K-FAC weight's A_r (x) G_r, diag(G_r) diag(A_r)^T (out x in), beside the diagonal F of
+    the other parameters, computed when read: coordinates two K-FAC anchors share even when their eigenbases differ
+    (what `compare` reads). diag(X_r)_i = sum_j U_ij^2 values_j + rho (1 - sum_j U_ij^2)."""
 
     def _kronecker(self, name: str) -> torch.Tensor:
         basis = self.bases[name]
-        diag_a = (basis.a_vectors.square() * basis.a_values).sum(1)
-        diag_g = (basis.g_vectors.square() * basis.g_values).sum(1)
+        rho_a, rho_g = basis.tails()
+        diag_a = (basis.a_vectors.square() * (basis.a_values - rho_a)).sum(1) + rho_a
+        diag_g = (basis.g_vectors.square() * (basis.g_values - rho_g)).sum(1) + rho_g
         return torch.outer(diag_g, diag_a)
 
 
@@ -285,10 +387,24 @@ def factor_cosines(a: Mapping[str, KroneckerBasis], b: Mapping[str, KroneckerBas
 
 
 def kfac_summary(bases: Mapping[str, KroneckerBasis]) -> dict:
-    """What `hf-cfp inspect` shows of the K-FAC part without reading it: {"weights": how many are factored,
-    "ranks": the distinct numbers of eigenpairs kept per factor, "stored_floats": eigenvectors and eigenvalues}."""
-    ranks = sorted(
-        {int(b.a_values.numel()) for b in bases.values()} | {int(b.g_values.numel()) for b in bases.values()}
-    )
-    floats = sum(t.numel() for b in bases.values() for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values))
-    return {"weights": len(bases), "ranks": ranks, "stored_floats": floats}
+    """What `hf-cfp inspect` shows of the K-FAC part: {"weights": how many are factored, "ranks": the distinct
+    numbers of eigenpairs kept per factor, "truncated": how many factors keep fewer than all, "tail_share": the
+    share of the truncated factors' trace their tails carry (mean over them; 0 when none), "stored_floats":
+    eigenvectors, eigenvalues and tails}."""
+    ranks, shares, floats = set(), [], 0
+    for b in bases.values():
+        for vectors, values, tail in zip((b.a_vectors, b.g_vectors), (b.a_values, b.g_values), b.tails(), strict=True):
+            dim, kept = vectors.shape[0], values.numel()
+            ranks.add(int(kept))
+            if kept < dim:
+                rest = float(tail) * (dim - kept)
+                shares.append(rest / (rest + float(values.double().sum())) if rest > 0 else 0.0)
+        floats += sum(t.numel() for t in stored_parts(b).values())
+    share = sum(shares) / len(shares) if shares else 0.0
+    return {
+        "weights": len(bases),
+        "ranks": sorted(ranks),
+        "truncated": len(shares),
+        "tail_share": share,
+        "stored_floats": floats,
+    }

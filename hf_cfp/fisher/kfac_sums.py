@@ -8,7 +8,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
-from ..anchor.kfac import eigenbasis
+from ..anchor.kfac import eigenbasis, with_tails
 from ..ops.kfac import KroneckerBasis
 from .accumulators import DiagonalSums
 from .kfac_factors import KroneckerSums, kfac_kind
@@ -96,9 +96,8 @@ class KroneckerFisherSums:
         for name, sums in weights:  # the eigendecompositions: seconds per large factor on a CPU
             a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
             if last_a is None or not torch.equal(a, last_a):
-                last_a, (alpha_a, vectors_a) = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
-            gamma, q_g = eigenbasis(name, "G", g, self.anchor_name, self.rank)
-            bases[name] = KroneckerBasis(vectors_a, alpha_a, q_g, gamma)
+                last_a, input_part = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
+            bases[name] = with_tails(*input_part, *eigenbasis(name, "G", g, self.anchor_name, self.rank))
         self.sums = []
         return fisher, bases, reliability
 

@@ -1,22 +1,30 @@
 """The Kronecker-factored (K-FAC) geometry of a Linear-like weight: its CFP correction and its drift (pure math).
 
-For a weight W (out x in) an anchor keeps F_W ~ A (x) G as eigenbases, A = Q_A diag(alpha) Q_A^T (in x in, the
-layer inputs' second moment) and G = Q_G diag(gamma) Q_G^T (out x out, the output gradients'), possibly truncated
-to their top r_A and r_G eigenpairs. In the rotated coordinates R = Q_G^T Delta Q_A (r_G x r_A) the quadratic
-is diagonal:
+For a weight W (out x in) an anchor keeps F_W ~ A (x) G through each factor's top eigenpairs and, when it keeps
+fewer than all, one eigenvalue for the rest, the mean of what was dropped (the tail):
 
-    Delta^T F Delta ~ tr(Delta^T G Delta A) = sum_ij gamma_i alpha_j R_ij^2,
+    A_r = U_A diag(alpha) U_A^T + rho_A (I - U_A U_A^T)     (U_A: in x r_A orthonormal, rho_A = 0 when r_A = in),
 
-so the CFP correction, the exact proximal map of (lam / 2) tr(X^T G X A) applied to the proposal D = theta' -
-theta0, is elementwise there:
+and the same for G (out x out) with U_G, gamma, rho_G. A_r (x) G_r has four blocks of eigen-directions, with the
+eigenvalues gamma alpha^T (kept G x kept A), gamma rho_A (kept x tail), rho_G alpha (tail x kept) and rho_G rho_A
+(tail x tail). With P = U_G^T D U_A, N = U_G^T D and M = D U_A for a displacement D, the blocks' coordinates are
 
-    Delta = D - Q_G [ w * (Q_G^T D Q_A) ] Q_A^T,      w_ij = lam gamma_i alpha_j / (1 + lam gamma_i alpha_j)
+    kept x kept: P,   kept x tail: N - P U_A^T,   tail x kept: M - U_G P,
+    tail x tail: D - U_G N - M U_A^T + U_G P U_A^T,
 
-(with full bases: Delta = Q_G [ (Q_G^T D Q_A) / (1 + lam gamma alpha^T) ] Q_A^T). A truncated basis pulls on
-its block alone: the coordinates outside it have weight 0 and keep the proposal.
+and the quadratic is sum over the blocks of eigenvalue x squared coordinate. The CFP correction, the exact
+proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal D = theta' - theta0, scales each block's coordinates
+by 1 / (1 + lam eigenvalue); with the pulled shares w = lam e / (1 + lam e) of each block, it subtracts
 
-Under row sharding (FSDP2 splits W along its first dimension) a process holds rows of W and the same rows of
-Q_G: its `rotate` is a partial sum of R, and `reduce` (an all-reduce across processes) completes it.
+    shrink = w_tt D + U_G [(w_kt - w_tt) N + ((w_kk - w_kt - w_tk + w_tt) P) U_A^T] + [(w_tk - w_tt) M] U_A^T
+
+(w_kt broadcast down the rows, w_tk across the columns): 4 products of out x in x r FLOPs each. Without a tail
+(rho = 0: full factors, or a truncation that treats the rest as free) only the kept block pulls,
+shrink = U_G [w_kk P] U_A^T, and that is what is computed.
+
+Under row sharding (FSDP2 splits W along its first dimension) a process holds rows of W, of D and of U_G: M is
+complete for its rows, P and N are partial sums over them, completed by `reduce` (an all-reduce across processes)
+together with the column norms of M and |D|^2 that the tail's drift needs (r_G (r_A + in) + r_A + 1 floats).
 
 A basis may carry a leading batch dimension (the bases of n weights of one shape stacked, `protection.kronecker`):
 every function below then works on the stacked weights (n x out x in) at once, by batched matrix products. The
@@ -29,45 +37,163 @@ from dataclasses import dataclass
 
 import torch
 
-# Completes a list of partial rotations in place (an all-reduce under row sharding; nothing on one process).
+# Completes a list of partial sums in place (an all-reduce under row sharding; nothing on one process).
 Reduce = Callable[[list[torch.Tensor]], None]
 
 
 def _no_reduce(tensors: list[torch.Tensor]) -> None:
-    """One process holds every row: the rotations are already complete."""
+    """One process holds every row: the sums are already complete."""
 
 
 @dataclass(frozen=True)
 class KroneckerBasis:
-    """The eigenbases of one weight's factors, float32, on the weight's device.
+    """The kept eigenpairs and tails of one weight's factors, float32, on the weight's device.
 
     Args:
-        a_vectors: Q_A, in x r_A, orthonormal columns (the input factor's top eigenvectors); optionally stacked,
+        a_vectors: U_A, in x r_A, orthonormal columns (the input factor's top eigenvectors); optionally stacked,
             n x in x r_A, as every part then.
         a_values: alpha, r_A, >= 0.
-        g_vectors: Q_G, rows x r_G, the rows of the output factor's top eigenvectors for the rows of W held here
+        g_vectors: U_G, rows x r_G, the rows of the output factor's top eigenvectors for the rows of W held here
             (all of them on one process).
         g_values: gamma, r_G, >= 0.
+        a_tail: rho_A, the eigenvalue of every direction outside U_A (a 0-dim tensor; (n,) stacked); None: 0.
+        g_tail: rho_G, the same for G; None: 0. A basis with both None has no tail.
     """
 
     a_vectors: torch.Tensor
     a_values: torch.Tensor
     g_vectors: torch.Tensor
     g_values: torch.Tensor
+    a_tail: torch.Tensor | None = None
+    g_tail: torch.Tensor | None = None
+
+    def placed(self, device: torch.device | str, vectors_dtype: torch.dtype = torch.float32) -> "KroneckerBasis":
+        """This basis on `device`, eigenvectors in `vectors_dtype`, eigenvalues and tails float32, contiguous."""
+
+        def move(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if t is None else t.to(device, dtype).contiguous()
+
+        return KroneckerBasis(
+            *(move(t, vectors_dtype if i in (0, 2) else torch.float32) for i, t in enumerate(self._parts()))
+        )
+
+    @staticmethod
+    def stacked(bases: Sequence["KroneckerBasis"]) -> "KroneckerBasis":
+        """The bases of n weights of one shape as one basis with a leading batch dimension (tails of 0 for those
+        without one, when some has one)."""
+        tailed = any(b.tailed for b in bases)
+        columns = zip(*(b._parts(zero_tails=tailed) for b in bases), strict=True)
+        return KroneckerBasis(*(None if parts[0] is None else torch.stack(parts) for parts in columns))
+
+    def __getitem__(self, i: int) -> "KroneckerBasis":
+        """The i-th basis of a stacked one (views)."""
+        return KroneckerBasis(*(None if t is None else t[i] for t in self._parts()))
+
+    def _parts(self, zero_tails: bool = False) -> tuple:
+        tails = self.tails() if zero_tails else (self.a_tail, self.g_tail)
+        return (self.a_vectors, self.a_values, self.g_vectors, self.g_values, *tails)
+
+    @property
+    def tailed(self) -> bool:
+        """Whether some factor gives the directions outside its kept eigenvectors a (possibly nonzero) eigenvalue."""
+        return self.a_tail is not None or self.g_tail is not None
+
+    def tails(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rho_A, rho_G), float32 tensors shaped like the batch (0 for a factor without a tail)."""
+        zero = self.a_values.new_zeros(self.a_values.shape[:-1], dtype=torch.float32)
+        return tuple(zero if t is None else t.float() for t in (self.a_tail, self.g_tail))  # type: ignore[return-value]
 
     def products(self) -> torch.Tensor:
-        """gamma_i alpha_j, r_G x r_A (float32): the quadratic's weights in the rotated coordinates."""
+        """gamma_i alpha_j, r_G x r_A (float32): the quadratic's eigenvalues on the kept x kept block."""
         return self.g_values.float().unsqueeze(-1) * self.a_values.float().unsqueeze(-2)
 
+    def block_weights(self) -> list[torch.Tensor]:
+        """The quadratic's eigenvalue of each block of eigen-directions, float32, shaped like `Projection.squares`:
+        [gamma alpha^T (r_G x r_A), gamma rho_A (r_G), rho_G alpha (r_A), rho_G rho_A ()], the first alone
+        without a tail."""
+        if not self.tailed:
+            return [self.products()]
+        rho_a, rho_g = self.tails()
+        gamma, alpha = self.g_values.float(), self.a_values.float()
+        return [self.products(), gamma * rho_a.unsqueeze(-1), rho_g.unsqueeze(-1) * alpha, rho_g * rho_a]
+
+    def coordinate_weights(self, out_dim: int, in_dim: int) -> torch.Tensor:
+        """Every coordinate's eigenvalue in the quadratic of one out x in weight (unbatched), flat, float32: the
+        blocks' eigenvalues each repeated as often as the block has coordinates (1, in - r_A, out - r_G and
+        (out - r_G)(in - r_A)); without a tail, the kept block then out x in - r_G r_A zeros."""
+        r_g, r_a = self.g_values.shape[-1], self.a_values.shape[-1]
+        blocks = self.block_weights()
+        if not self.tailed:
+            kept = blocks[0].reshape(-1)
+            return torch.cat([kept, kept.new_zeros(out_dim * in_dim - kept.numel())])
+        counts = (1, in_dim - r_a, out_dim - r_g, (out_dim - r_g) * (in_dim - r_a))
+        return torch.cat([b.reshape(-1).repeat_interleave(c) for b, c in zip(blocks, counts, strict=True)])
+
     def rotate(self, delta: torch.Tensor) -> torch.Tensor:
-        """Q_G^T Delta Q_A (a partial sum over the rows held here), multiplied in the eigenvectors' dtype, float32."""
+        """U_G^T Delta U_A (a partial sum over the rows held here), multiplied in the eigenvectors' dtype, float32."""
         d = delta.to(self.a_vectors.dtype)
         return (self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors)).float()
 
     def unrotate(self, rotated: torch.Tensor) -> torch.Tensor:
-        """Q_G R Q_A^T on the rows held here, multiplied in the eigenvectors' dtype, float32."""
+        """U_G R U_A^T on the rows held here, multiplied in the eigenvectors' dtype, float32."""
         r = rotated.to(self.a_vectors.dtype)
         return ((self.g_vectors @ r) @ self.a_vectors.transpose(-2, -1)).float()
+
+    def project(self, delta: torch.Tensor) -> "Projection":
+        """Delta's coordinates in the blocks (module docstring), partial sums over the rows held here."""
+        if not self.tailed:
+            return Projection(self.rotate(delta))
+        d = delta.to(self.a_vectors.dtype)
+        columns = d @ self.a_vectors  # M = D U_A, the rows held here
+        kept = (self.g_vectors.transpose(-2, -1) @ columns).float()
+        rows = (self.g_vectors.transpose(-2, -1) @ d).float()  # N = U_G^T D
+        norms = torch.cat(
+            [
+                columns.float().square().sum(-2, dtype=torch.float64),
+                delta.float().square().sum((-2, -1)).double()[..., None],
+            ],
+            dim=-1,
+        )
+        return Projection(kept, rows, columns.float(), norms)
+
+
+@dataclass
+class Projection:
+    """A displacement D in a basis's blocks of eigen-directions.
+
+    Args:
+        kept: P = U_G^T D U_A (r_G x r_A).
+        rows: N = U_G^T D (r_G x in); None without a tail.
+        columns: M = D U_A (the rows held here x r_A); None without a tail.
+        norms: [|M_:1|^2, ..., |M_:r_A|^2, |D|^2] (r_A + 1, float64); None without a tail.
+    """
+
+    kept: torch.Tensor
+    rows: torch.Tensor | None = None
+    columns: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+
+    def partials(self) -> list[torch.Tensor]:
+        """What a reduce across row shards completes: P, and with a tail N and the norms."""
+        return [self.kept] if self.rows is None else [self.kept, self.rows, self.norms]  # type: ignore[list-item]
+
+    def squares(self) -> list[torch.Tensor]:
+        """The squared coordinates of each block, summed where they share an eigenvalue (shaped like
+        `KroneckerBasis.block_weights`): [P^2, |N_i|^2 - |P_i|^2, |M_:j|^2 - |P_:j|^2, |D|^2 - |N|^2 - |M|^2 + |P|^2]
+        (the last three clamped at 0 against rounding); [P^2] without a tail."""
+        kept = self.kept.square()
+        if self.rows is None:
+            return [kept]
+        assert self.norms is not None
+        row_sums, column_sums = self.rows.square().sum(-1), self.norms[..., :-1]
+        kept_rows, kept_columns = kept.sum(-1), kept.sum(-2)
+        corner = self.norms[..., -1] - row_sums.sum(-1) - column_sums.sum(-1) + kept_rows.sum(-1)
+        return [
+            kept,
+            (row_sums - kept_rows).clamp(min=0),
+            (column_sums - kept_columns).clamp(min=0),
+            corner.clamp(min=0),
+        ]
 
 
 def rotated_displacements(
@@ -75,18 +201,35 @@ def rotated_displacements(
     theta0: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
     reduce: Reduce = _no_reduce,
-) -> list[torch.Tensor]:
-    """R_k = Q_G^T (theta_k - theta0_k) Q_A for every weight, complete (one `reduce` for all)."""
+) -> list[Projection]:
+    """The projections of theta_k - theta0_k for every weight, complete (one `reduce` for all)."""
     with torch.no_grad():
-        rotated = [basis.rotate(p - t) for p, t, basis in zip(params, theta0, bases, strict=True)]
-    reduce(rotated)
-    return rotated
+        projections = [basis.project(p - t) for p, t, basis in zip(params, theta0, bases, strict=True)]
+    reduce([t for projection in projections for t in projection.partials()])
+    return projections
 
 
-def pull_weights(basis: KroneckerBasis, lam: float) -> torch.Tensor:
-    """w = lam gamma alpha^T / (1 + lam gamma alpha^T), r_G x r_A: the share of each rotated coordinate pulled back."""
-    strength = basis.products().mul_(float(lam))
+def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
+    """w = lam e / (1 + lam e) of eigenvalues e: the share of each coordinate pulled back."""
+    strength = weights.mul(float(lam))
     return strength.div_(strength + 1.0)
+
+
+def shrink(basis: KroneckerBasis, projection: Projection, delta: torch.Tensor | None, lam: float) -> torch.Tensor:
+    """What the correction subtracts from the proposal (module docstring), float32, the rows held here; `delta`
+    (the proposal's D) is read with a tail only."""
+    shares = [pulled_share(w, lam) for w in basis.block_weights()]
+    if not basis.tailed:
+        return basis.unrotate(projection.kept * shares[0])
+    assert delta is not None and projection.rows is not None and projection.columns is not None
+    kk, kt, tk, tt = shares
+    kt, tk, tt = kt - tt.unsqueeze(-1), tk - tt.unsqueeze(-1), tt[..., None, None]
+    core = (kk - kt.unsqueeze(-1) - tk.unsqueeze(-2) - tt) * projection.kept
+    dtype = basis.a_vectors.dtype
+    left = (kt.unsqueeze(-1) * projection.rows).to(dtype) + core.to(dtype) @ basis.a_vectors.transpose(-2, -1)
+    right = (tk.unsqueeze(-2) * projection.columns).to(dtype)
+    both = torch.cat([basis.g_vectors, right], dim=-1) @ torch.cat([left, basis.a_vectors.transpose(-2, -1)], dim=-2)
+    return both.float().add_(delta.float() * tt)
 
 
 def kfac_pull_(
@@ -94,23 +237,23 @@ def kfac_pull_(
     theta0: Sequence[torch.Tensor] | None,
     bases: Sequence[KroneckerBasis],
     lam: float,
-    rotated: Sequence[torch.Tensor] | None = None,
+    rotated: Sequence[Projection] | None = None,
     reduce: Reduce = _no_reduce,
 ) -> None:
-    """In place, on every weight: theta <- theta0 + D - Q_G [w * (Q_G^T D Q_A)] Q_A^T, D = theta - theta0,
-    w = lam gamma alpha^T / (1 + lam gamma alpha^T) (module docstring), computed in float32 and rounded once to
-    each parameter's dtype. `rotated`: the R = Q_G^T D Q_A already computed for these proposals (the KL budget's
-    solve computes them first; `theta0` is then not read); by default computed here. Temporaries: a few tensors
-    the size of one weight (of one stack of weights)."""
+    """In place, on every weight: theta <- theta - shrink (`shrink`: the exact proximal map of (lam / 2)
+    tr(X^T G_r X A_r) at D = theta - theta0), computed in float32 and rounded once to each parameter's dtype.
+    `rotated`: the projections of these proposals already computed (the KL budget's solve computes them first);
+    by default computed here. `theta0` is read to form them, and with a tail for D. Temporaries: a few tensors the
+    size of one weight (of one stack of weights)."""
     if lam == 0:
         return
     with torch.no_grad():
         if rotated is None:
             assert theta0 is not None, "kfac_pull_ needs theta0 or the rotated proposals"
             rotated = rotated_displacements(params, theta0, bases, reduce)
-        for param, basis, r in zip(params, bases, rotated, strict=True):
-            shrink = basis.unrotate(r * pull_weights(basis, lam))
-            param.copy_(param.float().sub_(shrink))  # theta0 + (D - shrink) = theta - shrink
+        for k, (param, basis, projection) in enumerate(zip(params, bases, rotated, strict=True)):
+            delta = param.float() - theta0[k].float() if basis.tailed and theta0 is not None else None
+            param.copy_(param.float().sub_(shrink(basis, projection, delta, lam)))
 
 
 def kfac_drift_squares(
@@ -120,47 +263,44 @@ def kfac_drift_squares(
     threshold: float,
     reduce: Reduce = _no_reduce,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drift of K-FAC weights in their rotated coordinates, as float64 sums on the CPU:
+    """The drift of K-FAC weights in their blocks of eigen-directions, as float64 sums on the CPU:
 
-    (complete [sum gamma alpha R^2, -(sum of R^2 over gamma alpha > threshold)], local [sum Delta^2]).
+    (complete [sum e s, -(sum of s over e > threshold)], local [sum Delta^2])
 
-    The first pair is complete on every process (from the reduced R); the local sum runs over the rows held here
-    and must be added across processes. The free drift^2 over these weights, the sum of the squared rotated
-    coordinates whose weight is <= threshold, is then complete[1] + sum Delta^2: rotation keeps the norm, and
-    the coordinates outside a truncated basis have weight 0."""
-    rotated = rotated_displacements(params, theta0, bases, reduce)
+    over the blocks' eigenvalues e and squared coordinates s (`KroneckerBasis.block_weights`,
+    `Projection.squares`). The first pair is complete on every process (from the reduced projections); the local
+    sum runs over the rows held here and must be added across processes. The free drift^2 over these weights, the
+    squared coordinates whose eigenvalue is <= threshold, is then complete[1] + sum Delta^2: the blocks split
+    |Delta|^2, and the coordinates outside a basis without a tail have eigenvalue 0."""
+    projections = rotated_displacements(params, theta0, bases, reduce)
     sums = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
-        for param, start, basis, r in zip(params, theta0, bases, rotated, strict=True):
-            squares, weights = r.square(), basis.products()
-            sums.append(
-                torch.stack(
-                    [
-                        torch.mul(squares, weights).sum(dtype=torch.float64),
-                        -torch.where(weights > threshold, squares, 0.0).sum(dtype=torch.float64),
-                        (param.float() - start.float()).square().sum(dtype=torch.float64),
-                    ]
-                )
-            )
+        for param, start, basis, projection in zip(params, theta0, bases, projections, strict=True):
+            sensitive = above = torch.zeros((), dtype=torch.float64, device=projection.kept.device)
+            for weights, squares in zip(basis.block_weights(), projection.squares(), strict=True):
+                sensitive = sensitive + torch.mul(squares, weights).sum(dtype=torch.float64)
+                above = above + torch.where(weights > threshold, squares, 0.0).sum(dtype=torch.float64)
+            local = (param.float() - start.float()).square().sum(dtype=torch.float64)
+            sums.append(torch.stack([sensitive, -above, local]))
     total = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
     return total[:2], total[2:]
 
 
-def kfac_budget_terms(rotated: Sequence[torch.Tensor], bases: Sequence[KroneckerBasis], lam: float) -> torch.Tensor:
-    """[KL, dKL / dlam] (float64 [2], CPU) of the K-FAC weights for the proposals' rotated coordinates R' (the KL
-    budget's solve, `ops.budget`): with P = gamma alpha^T the weights of the quadratic,
+def kfac_budget_terms(rotated: Sequence[Projection], bases: Sequence[KroneckerBasis], lam: float) -> torch.Tensor:
+    """[KL, dKL / dlam] (float64 [2], CPU) of the K-FAC weights for the proposals' projections (the KL budget's
+    solve, `ops.budget`): over the blocks' eigenvalues e and the proposal's squared coordinates s,
 
-        KL = 0.5 sum P R'^2 / (1 + lam P)^2,      dKL / dlam = - sum P^2 R'^2 / (1 + lam P)^3,
+        KL = 0.5 sum e s / (1 + lam e)^2,      dKL / dlam = - sum e^2 s / (1 + lam e)^3,
 
-    the predicted KL after the correction `kfac_pull_` would make with this lam (its rotated coordinates are
-    R' / (1 + lam P) on the kept block, the rest has weight 0)."""
+    the predicted KL after the correction `kfac_pull_` would make with this lam (it scales each block's
+    coordinates by 1 / (1 + lam e))."""
     terms = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
-        for r, basis in zip(rotated, bases, strict=True):
-            weights = basis.products()
-            relief = weights.mul(float(lam)).add_(1.0)
-            weighted = r.square().mul_(weights).div_(relief.square())  # P R'^2 / (1 + lam P)^2
-            kl = 0.5 * weighted.sum(dtype=torch.float64)
-            slope = -weighted.mul_(weights).div_(relief).sum(dtype=torch.float64)
-            terms.append(torch.stack([kl, slope]))
+        for projection, basis in zip(rotated, bases, strict=True):
+            for weights, squares in zip(basis.block_weights(), projection.squares(), strict=True):
+                relief = weights.mul(float(lam)).add_(1.0)
+                weighted = squares.mul(weights).div_(relief.square())  # e s / (1 + lam e)^2
+                kl = 0.5 * weighted.sum(dtype=torch.float64)
+                slope = -weighted.mul_(weights).div_(relief).sum(dtype=torch.float64)
+                terms.append(torch.stack([kl, slope]))
     return torch.stack(terms).sum(0).cpu() if terms else torch.zeros(2, dtype=torch.float64)

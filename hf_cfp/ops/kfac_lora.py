@@ -9,9 +9,10 @@ target is D' = prox(D) (`ops.kfac.kfac_pull_`). The rules, each returning new fa
       B' = argmin_B ||X - D||^2 + lam tr(X^T G X A_in),      X = s B A - C.
 
   Setting the gradient to zero: s B (A A^T) + lam s G B (A A_in A^T) = (C + D) A^T + lam G C A_in A^T =: H.
-  In G's eigenbasis (B~ = Q_G^T B, H~ = Q_G^T H) row i decouples into one r x r system,
+  In G's eigenbasis (B~ = U_G^T B, H~ = U_G^T H) row i decouples into one r x r system,
   s b~_i (M1 + lam gamma_i M2) = h~_i with M1 = A A^T, M2 = A A_in A^T (both r x r); the part of B outside a
-  truncated Q_G (gamma = 0 there) solves s B_perp M1 = H_perp.
+  truncated U_G (eigenvalue rho_G there, the tail) solves s B_perp (M1 + lam rho_G M2) = H_perp. With the tails
+  (`ops.kfac`), A_in = U_A diag(alpha - rho_A) U_A^T + rho_A I and G likewise.
 - `least_squares_b`: the unweighted fit of the full-parameter target, B' = (D' + C) A^T (A A^T)^-1 / s.
 
 `factor_space` (elementwise CFP in factor coordinates) has no K-FAC form and is refused by the caller.
@@ -39,19 +40,21 @@ def kfac_proximal_b(
     a, s = factors.a.double(), factors.scale
     q_a, alpha = basis.a_vectors.double(), basis.a_values.double()
     q_g, gamma = basis.g_vectors.double(), basis.g_values.double()
-    a_rotated = a @ q_a  # A Q_A, r x r_A
+    rho_a, rho_g = (float(t) for t in basis.tails())
+    a_rotated = a @ q_a  # A U_A, r x r_A
     m1 = a @ a.T
-    m2 = (a_rotated * alpha) @ a_rotated.T  # A A_in A^T
+    m2 = (a_rotated * (alpha - rho_a)) @ a_rotated.T + rho_a * m1  # A A_in A^T
     offset = (factors.scale0 * (factors.b0 @ factors.a0)).double() if factors.scale0 != 0 else None
     rhs = delta.double() @ a.T
     if offset is not None and offset.any():
         rhs += offset @ a.T
-        rhs += lam * (q_g * gamma) @ (q_g.T @ ((offset @ q_a) * alpha) @ a_rotated.T)  # lam G C A_in A^T
+        weighted = ((offset @ q_a) * (alpha - rho_a)) @ a_rotated.T + rho_a * (offset @ a.T)  # C A_in A^T
+        rhs += lam * ((q_g * (gamma - rho_g)) @ (q_g.T @ weighted) + rho_g * weighted)  # lam G C A_in A^T
     inside = q_g.T @ rhs  # H~ on the kept rows of the eigenbasis
     systems = m1 + lam * gamma[:, None, None] * m2  # r_G systems of r x r
     b_inside = torch.linalg.solve(systems, inside.unsqueeze(-1)).squeeze(-1)
-    outside = rhs - q_g @ inside  # H on the directions a truncated Q_G leaves out (0 at full rank)
-    b = q_g @ b_inside + torch.linalg.solve(m1, outside.T).T
+    outside = rhs - q_g @ inside  # H on the directions outside U_G (0 at full rank), eigenvalue rho_G there
+    b = q_g @ b_inside + torch.linalg.solve(m1 + lam * rho_g * m2, outside.T).T
     return (b / s).float(), factors.a
 
 

@@ -13,8 +13,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from ..anchor.kfac import stored_parts
 from ..errors import CFPArgumentError
-from ..ops.kfac import KroneckerBasis, kfac_budget_terms, kfac_drift_squares, kfac_pull_, rotated_displacements
+from ..ops.kfac import (
+    KroneckerBasis,
+    Projection,
+    kfac_budget_terms,
+    kfac_drift_squares,
+    kfac_pull_,
+    rotated_displacements,
+)
 from ..parallel import all_reduce_sum_
 from .memory import MemoryPlan
 from .records import AdaptedTensor, AnchorView, TrackedTensor
@@ -31,16 +39,10 @@ class _Batch:
         self.tensors = tensors
         dtype = tensors[0].param.dtype
         dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
-        parts = [t.kfac[anchor] for t in tensors]
-        self.basis = KroneckerBasis(
-            torch.stack([b.a_vectors.to(dtype) for b in parts]),
-            torch.stack([b.a_values for b in parts]),
-            torch.stack([b.g_vectors.to(dtype) for b in parts]),
-            torch.stack([b.g_values for b in parts]),
-        )
+        device = tensors[0].param.device
+        self.basis = KroneckerBasis.stacked([t.kfac[anchor].placed(device, dtype) for t in tensors])
         for i, t in enumerate(tensors):
-            b = self.basis
-            t.kfac[anchor] = KroneckerBasis(b.a_vectors[i], b.a_values[i], b.g_vectors[i], b.g_values[i])
+            t.kfac[anchor] = self.basis[i]
 
     def weights(self) -> torch.Tensor:
         """The weights now, as out x in views, stacked (a copy)."""
@@ -64,30 +66,31 @@ class _Factored:
         for t in tensors:  # keyed by the full shape: every process forms the same batches (their collectives match)
             basis, local = t.kfac[anchor], t.oriented(t.local())
             key = (tuple(t.param.shape), tuple(basis.a_vectors.shape), basis.g_vectors.shape[1], local.dtype)
+            key = (*key, basis.tailed)
             kinds.setdefault((*key, local.device), []).append(t)
         self.batches = [
             _Batch(anchor, same[i : i + BATCH]) for same in kinds.values() for i in range(0, len(same), BATCH)
         ]
 
-    def reduce(self, rotated: list[torch.Tensor]) -> None:
-        """Complete partial rotations of row-sharded weights (one all-reduce); nothing for whole ones."""
-        if self.sharded and rotated:
-            all_reduce_sum_(rotated)
+    def reduce(self, partials: list[torch.Tensor]) -> None:
+        """Complete partial projections of row-sharded weights (one all-reduce); nothing for whole ones."""
+        if self.sharded and partials:
+            all_reduce_sum_(partials)
 
     @torch.no_grad()
-    def rotated(self, batch: _Batch, weights: torch.Tensor | None = None) -> torch.Tensor:
-        """R' = Q_G^T (theta - theta0) Q_A of one batch now (n x r_G x r_A), complete."""
+    def rotated(self, batch: _Batch, weights: torch.Tensor | None = None) -> Projection:
+        """The projection of theta - theta0 of one batch now (`ops.kfac.Projection`, n stacked), complete."""
         weights = batch.weights() if weights is None else weights
         return rotated_displacements([weights], [batch.theta0()], [batch.basis], self.reduce)[0]
 
     @torch.no_grad()
-    def pull_(self, lam: float, rotated: list[torch.Tensor] | None = None) -> None:
-        """Every batch pulled from its rotated proposal (`ops.kfac.kfac_pull_`; rotated here one batch at a time
-        unless given), written back."""
+    def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
+        """Every batch pulled from its projected proposal (`ops.kfac.kfac_pull_`; projected here one batch at a
+        time unless given), written back."""
         for i, batch in enumerate(self.batches):
-            weights = batch.weights()
+            weights, theta0 = batch.weights(), batch.theta0()
             r = rotated[i] if rotated is not None else self.rotated(batch, weights)
-            kfac_pull_([weights], None, [batch.basis], lam, rotated=[r])
+            kfac_pull_([weights], [theta0], [batch.basis], lam, rotated=[r])
             batch.write(weights)
 
     @torch.no_grad()
@@ -118,7 +121,7 @@ class KroneckerTensors:
         ]
         self.thresholds = {name: view.threshold for name, view in views.items()}
         self.protecting = list(protecting)
-        self._proposal: tuple[tuple[int, ...], list[list[torch.Tensor]]] | None = None  # rotated, by param versions
+        self._proposal: tuple[tuple[int, ...], list[list[Projection]]] | None = None  # by param versions
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -129,19 +132,19 @@ class KroneckerTensors:
     def _versions(self) -> tuple[int, ...]:
         return tuple(t.local()._version for _, g in self.protected() for b in g.batches for t in b.tensors)
 
-    def proposal(self) -> list[list[torch.Tensor]]:
-        """The protected weights' rotated proposals R', per group and batch (kept until the weights change: the KL
-        budget's solve and the correction that follows it rotate once; held meanwhile, one float32 per rotated
-        coordinate)."""
+    def proposal(self) -> list[list[Projection]]:
+        """The protected weights' projected proposals, per group and batch (kept until the weights change: the KL
+        budget's solve and the correction that follows it project once; held meanwhile: r_G x r_A floats per
+        weight, and with a tail (out + in) r more)."""
         versions = self._versions()
         if self._proposal is None or self._proposal[0] != versions:
             self._proposal = (versions, [[g.rotated(b) for b in g.batches] for _, g in self.protected()])
         return self._proposal[1]
 
     def correct(self, lams: Sequence[float]) -> None:
-        """Delta <- Delta - Q_G [w * R'] Q_A^T, w = lam gamma alpha^T / (1 + lam gamma alpha^T), on every protected
-        weight, with its anchor's lam (`ops.kfac.kfac_pull_`): from the kept proposals after a budget solve, else
-        rotating one batch at a time (its temporaries: a few stacks of BATCH weights)."""
+        """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`ops.kfac.kfac_pull_`) on every
+        protected weight, with its anchor's lam: from the kept proposals after a budget solve, else projecting one
+        batch at a time (its temporaries: a few stacks of BATCH weights)."""
         kept = self._proposal[1] if self._proposal is not None and self._proposal[0] == self._versions() else None
         for n, (k, group) in enumerate(self.protected()):
             group.pull_(lams[k], kept[n] if kept is not None else None)
@@ -170,28 +173,35 @@ class KroneckerTensors:
         return terms
 
     def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
-        """P = lam_k gamma alpha^T on the kept rotated coordinates of every protected weight, computed when read
-        (for the pull profile)."""
-        return _Strengths([(b.basis, float(lams[k])) for k, group in self.protected() for b in group.batches])
+        """lam_k e for the eigenvalue e of every coordinate of every protected weight (`KroneckerBasis.
+        coordinate_weights`; of the whole weight), a weight at a time, computed when read (for the pull profile)."""
+        return _Strengths(
+            [
+                (t.kfac[group.anchor], tuple(t.oriented(t.param).shape), float(lams[k]))
+                for k, group in self.protected()
+                for b in group.batches
+                for t in b.tensors
+            ]
+        )
 
     def kept(self) -> list[torch.Tensor]:
         """The eigenbases CFP keeps for these weights."""
         bases = [b.basis for g in self.groups for b in g.batches]
-        return [t for b in bases for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values)]
+        return [t for b in bases for t in stored_parts(b).values()]
 
 
 class _Strengths(Sequence[torch.Tensor]):
-    """lam gamma alpha^T of each (basis, lam), computed when read."""
+    """lam e of every coordinate of each (basis, out x in shape, lam), computed when read."""
 
-    def __init__(self, pairs: list[tuple[KroneckerBasis, float]]):
-        self.pairs = pairs
+    def __init__(self, entries: list[tuple[KroneckerBasis, tuple[int, int], float]]):
+        self.entries = entries
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.entries)
 
     def __getitem__(self, i):  # an integer index
-        basis, lam = self.pairs[i]
-        return basis.products().mul_(lam)
+        basis, shape, lam = self.entries[i]
+        return basis.coordinate_weights(*shape).mul_(lam)
 
 
 def refuse_unsolvable(

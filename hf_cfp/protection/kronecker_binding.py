@@ -8,7 +8,7 @@ Layouts that hold arbitrary flat pieces (FSDP1, DeepSpeed ZeRO-3) cannot be rota
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -92,11 +92,5 @@ def _bound(anchor: FisherAnchor, name: str, param: torch.Tensor, transposed: boo
     bases = anchor.kfac
     basis = bases.rows(name, rows) if isinstance(bases, LazyBases) and sharded else bases[name]
     if sharded and not isinstance(bases, LazyBases):
-        basis = KroneckerBasis(basis.a_vectors, basis.a_values, basis.g_vectors[rows], basis.g_values)
-    device = param.device
-    placed = KroneckerBasis(*(t.to(device, torch.float32).contiguous() for t in _parts(basis)))
-    return BoundKronecker(name, param, placed, sharded, held, transposed)
-
-
-def _parts(basis: KroneckerBasis) -> tuple[torch.Tensor, ...]:
-    return basis.a_vectors, basis.a_values, basis.g_vectors, basis.g_values
+        basis = replace(basis, g_vectors=basis.g_vectors[rows])
+    return BoundKronecker(name, param, basis.placed(param.device), sharded, held, transposed)

@@ -142,13 +142,7 @@ def adapted_tensors(weights: Mapping[str, AdaptedWeight], anchors: Sequence[Fish
                 record.fisher[anchor.name] = anchor.fisher[name].to(weight.device, torch.float32)
             elif name in anchor.kfac:
                 record = covered.setdefault(name, AdaptedTensor(weight, {}))
-                basis = anchor.kfac[name]
-                record.kfac[anchor.name] = KroneckerBasis(
-                    *(
-                        t.to(weight.device, torch.float32)
-                        for t in (basis.a_vectors, basis.a_values, basis.g_vectors, basis.g_values)
-                    )
-                )
+                record.kfac[anchor.name] = anchor.kfac[name].placed(weight.device)
     return list(covered.values())
 
 

@@ -27,7 +27,7 @@ def test_full_basis_rebuilds_the_factors_and_a_truncated_one_the_best_rank_r_app
     assert torch.allclose(rebuilt_a.double(), a, rtol=1e-5, atol=1e-5 * float(a.abs().max()))
     assert torch.allclose(rebuilt_g.double(), g, rtol=1e-5, atol=1e-5 * float(g.abs().max()))
     assert torch.all(basis.a_values[:-1] >= basis.a_values[1:])  # largest first
-    top = basis_from_factors("w", a, g, "math", rank=2)
+    top = basis_from_factors("w", a, g, "math", rank=2, tail="zero")
     values, vectors = torch.linalg.eigh(a)
     best = vectors[:, -2:] @ torch.diag(values[-2:]) @ vectors[:, -2:].T  # Eckart-Young
     assert top.a_vectors.shape == (5, 2) and top.g_vectors.shape == (3, 2)
@@ -70,8 +70,8 @@ def test_stored_tensors_round_trip_and_corrupt_bases_fail_with_the_weight_named(
 
 
 def test_rotated_weights_are_the_products_then_the_left_out_zeros():
-    basis = basis_from_factors("w", psd(4, 7), psd(3, 8), "m", rank=2)
-    weights = RotatedWeights([basis], [12])
+    basis = basis_from_factors("w", psd(4, 7), psd(3, 8), "m", rank=2, tail="zero")
+    weights = RotatedWeights([basis], [(3, 4)])
     assert len(weights) == 1
     assert torch.equal(weights[0][:4], torch.outer(basis.g_values, basis.a_values).reshape(-1))
     assert torch.equal(weights[0][4:], torch.zeros(8))

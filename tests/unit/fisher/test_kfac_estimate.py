@@ -110,8 +110,13 @@ def test_truncated_bases_keep_the_top_eigenpairs():
     a, _ = full.kfac_factors(name)
     values, vectors = torch.linalg.eigh(a.double())
     best = vectors[:, -3:] @ torch.diag(values[-3:]) @ vectors[:, -3:].T
+    rest = values[:-3].mean()  # the tail: the mean of the eigenvalues left out
+    eye = torch.eye(len(values), dtype=torch.float64)
+    best += rest * (eye - vectors[:, -3:] @ vectors[:, -3:].T)
     assert top.kfac[name].a_vectors.shape[1] == 3
+    assert float(top.kfac[name].a_tail) == pytest.approx(float(rest), rel=1e-4)
     assert torch.allclose(top.kfac_factors(name)[0].double(), best, atol=1e-5 * float(values[-1]))
+    assert float(top.kfac_factors(name)[0].double().trace()) == pytest.approx(float(a.double().trace()), rel=1e-5)
     assert top.metadata["kfac_rank"] == 3
 
 

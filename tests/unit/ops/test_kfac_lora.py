@@ -69,3 +69,34 @@ def test_least_squares_b_fits_the_full_parameter_target():
     c = (factors.scale0 * factors.b0 @ factors.a0).double()
     want = torch.linalg.lstsq(factors.scale * factors.a.double().T, (target.double() + c).T).solution.T
     assert torch.allclose(b.double(), want, atol=1e-5)
+
+
+def with_mean_tail(m, rank):
+    """(U, values, rho) of the top `rank` eigenpairs of m and the mean of the rest, and the dense
+    U diag(values) U^T + rho (I - U U^T) (float64)."""
+    values, vectors = torch.linalg.eigh(m)
+    values, vectors = values.flip(0), vectors.flip(1)
+    rho = values[rank:].mean()
+    u = vectors[:, :rank]
+    dense = u @ torch.diag(values[:rank]) @ u.T + rho * (torch.eye(len(values), dtype=torch.float64) - u @ u.T)
+    return u.float(), values[:rank].float(), rho.float(), dense
+
+
+@pytest.mark.parametrize("offset", [False, True])
+def test_proximal_b_with_tails_is_the_dense_minimizer_over_b(offset):
+    """The same normal equations with the factors' top eigenpairs plus their mean tails, A_in,r (x) G_r."""
+    g = torch.Generator().manual_seed(2)
+    out_dim, in_dim, rank, lam = 5, 6, 2, 3.0
+    ua, alpha, rho_a, a_r = with_mean_tail(psd(in_dim, g), 2)
+    ug, gamma, rho_g, g_r = with_mean_tail(psd(out_dim, g), 3)
+    basis = KroneckerBasis(ua, alpha, ug, gamma, rho_a, rho_g)
+    factors = lora(out_dim, in_dim, rank, g, offset)
+    c = (factors.scale0 * factors.b0 @ factors.a0).double()
+    delta = factors.displacement().double()
+    kernel = torch.kron(g_r, a_r)
+    m = factors.scale * torch.kron(torch.eye(out_dim, dtype=torch.float64), factors.a.double().T.contiguous())
+    lhs = m.T @ (torch.eye(out_dim * in_dim, dtype=torch.float64) + lam * kernel) @ m
+    rhs = m.T @ (c + delta).reshape(-1) + lam * m.T @ kernel @ c.reshape(-1)
+    expected = torch.linalg.solve(lhs, rhs).reshape(out_dim, rank)
+    b, _ = kfac_proximal_b(factors, basis, lam, delta.float())
+    assert torch.allclose(b.double(), expected, rtol=1e-4, atol=1e-5)

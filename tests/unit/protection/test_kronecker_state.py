@@ -11,6 +11,7 @@ from support.tiny import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_cfp import CFPArgumentError, FisherAnchor, estimate_fisher
+from hf_cfp.anchor.kfac import truncate_basis
 from hf_cfp.names import FREE_DRIFT, PREDICTED_KL, SENSITIVE_DRIFT, TOTAL_DRIFT
 from hf_cfp.protection import CFPState
 
@@ -94,7 +95,9 @@ def test_metrics_are_the_dense_quadratic_and_the_rotated_free_sums():
     <= the threshold (the k-th smallest weight over every coordinate: gamma alpha^T on the kept block, 0 outside a
     truncated block, the diagonal F elsewhere), the left-out ones carrying ||D||^2 - ||block||^2 in all."""
     model = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=6)
-    anchor = kfac_anchor(model, rank=4)
+    full = kfac_anchor(model)
+    bases = {name: truncate_basis(basis, 4, tail="zero") for name, basis in full.kfac.items()}
+    anchor = FisherAnchor(dict(full.fisher), name="math", metadata=full.metadata, kfac=bases)
     state = CFPState(model, anchor, free_fraction=0.9)
     theta0, now = propose(model, seed=2)
     metrics = state.drift_metrics()
@@ -121,6 +124,35 @@ def test_metrics_are_the_dense_quadratic_and_the_rotated_free_sums():
     assert metrics[PREDICTED_KL.key("math")] == pytest.approx(0.5 * sensitive, rel=1e-5)
     assert metrics[FREE_DRIFT.key("math")] == pytest.approx(math.sqrt(free), rel=1e-4)
     assert metrics[TOTAL_DRIFT.key()] == pytest.approx(math.sqrt(total), rel=1e-6)
+
+
+def test_metrics_with_tails_are_the_dense_quadratic_and_the_free_sums_in_its_eigenbasis():
+    """Rank 3 with the mean tails: sensitive^2 = sum vec(D)^T (G_r (x) A_r) vec(D) + sum F D^2; free^2 = the squared
+    coordinates of vec(D) in the full eigenbasis of G_r (x) A_r (dense eigh) whose eigenvalue is <= the threshold,
+    the threshold the k-th smallest of all those eigenvalues and the diagonal F."""
+    model = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=6)
+    anchor = kfac_anchor(model, rank=3)
+    assert all(basis.tailed for basis in anchor.kfac.values())
+    state = CFPState(model, anchor, free_fraction=0.9)
+    theta0, now = propose(model, seed=2)
+    metrics = state.drift_metrics()
+    eigen, sensitive = [], 0.0
+    for name in anchor.kfac_names:
+        delta = (now[name] - theta0[name]).reshape(-1)
+        kernel = dense_kernel(anchor, name)
+        sensitive += float(delta @ kernel @ delta)
+        values, vectors = torch.linalg.eigh(kernel)
+        eigen.append((values.clamp(min=0), (vectors.T @ delta).square()))
+    for name, f in anchor.fisher.items():
+        sensitive += float((f.double() * (now[name] - theta0[name]).square()).sum())
+    everything = torch.cat([v for v, _ in eigen] + [f.double().reshape(-1) for f in anchor.fisher.values()])
+    threshold = float(everything.kthvalue(math.ceil(0.9 * len(everything))).values)
+    assert state.views["math"].threshold == pytest.approx(threshold, rel=1e-5)
+    threshold = state.views["math"].threshold  # the library's float32 value, between two distinct eigenvalues
+    free = sum(float(squares[values <= threshold * (1 + 1e-6)].sum()) for values, squares in eigen)
+    free += sum(float((now[n] - theta0[n]).square()[f <= threshold].sum()) for n, f in anchor.fisher.items())
+    assert metrics[SENSITIVE_DRIFT.key("math")] == pytest.approx(math.sqrt(sensitive), rel=1e-5)
+    assert metrics[FREE_DRIFT.key("math")] == pytest.approx(math.sqrt(free), rel=1e-4)
 
 
 def test_kl_budget_holds_the_dense_quadratic():
