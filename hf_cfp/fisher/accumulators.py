@@ -31,6 +31,11 @@ class FisherSums(Protocol):
         """The tensors summed across processes (in place) before `finish`."""
         ...
 
+    def refine(self, model) -> list[torch.Tensor]:
+        """A second pass over the scored groups where the first pass's sums ask for one (after they were
+        all-reduced); returns the tensors to all-reduce again, [] when none."""
+        ...
+
     def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
         """(the anchor's diagonal F by parameter name, float32 on the CPU; the eigenbases of its Kronecker-factored
         weights, by name (none for a diagonal estimate); the split-half statistics, or None)."""
@@ -94,6 +99,10 @@ class DiagonalSums:
 
     def reduced(self) -> list[torch.Tensor]:
         return [*self.second, *self.first]
+
+    def refine(self, model) -> list[torch.Tensor]:
+        """The diagonal sums are complete after one pass."""
+        return []
 
     def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
         """F by name, no bases, and the split-half statistics. S_a is released before F is moved to the CPU (the

@@ -205,8 +205,9 @@ class _Call:
 
 class _Tracer:
     """Forward hooks on the covered modules that record every call, and add the Kronecker input sums
-    S_A += sum_t a a^T of the `kronecker` weights over the unpadded positions (`mask`, (B, T)); a Gram matrix is
-    formed once for consecutive calls on the same input (q, k and v projections read one tensor)."""
+    S_A += sum_t a a^T of the `kronecker` weights over the unpadded positions (`mask`, (B, T)), or their sketches
+    (`kfac_factors.SketchedFactor`); a Gram matrix is formed once for consecutive calls on the same input (q, k and
+    v projections read one tensor)."""
 
     def __init__(self, owners, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor):
         self.owners, self.busy = owners, False
@@ -228,9 +229,8 @@ class _Tracer:
         self.calls.append(_Call(module, x, output, _versions(x, output)))
         factored = [self.kronecker[i] for i in self.owners[module][1].values() if i in self.kronecker]
         if factored and isinstance(x, torch.Tensor) and tuple(x.shape[:2]) == tuple(self.mask.shape):
-            gram = self._gram(x)
             for sums in factored:
-                sums.a_sum.add_(gram)
+                sums.inputs.add(lambda: x[self.mask].float(), lambda: self._gram(x))
 
     @torch.no_grad()
     def _gram(self, x: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,8 @@ def estimate_fisher(
         ):
             source = _OnPolicy(settings, bar) if labels is None else _Given(labels, plan, bar)
             response_tokens = _score_batches(model, prompt_ids, plan, source, groups, sums)
-    all_reduce_sum_([*sums.reduced(), response_tokens])
+            all_reduce_sum_([*sums.reduced(), response_tokens])
+            all_reduce_sum_(sums.refine(model))  # K-FAC factors too wide to form: a second pass over their sketches
     fisher, bases, reliability = sums.finish()
     metadata = _metadata(
         model,

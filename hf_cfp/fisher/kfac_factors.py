@@ -10,21 +10,41 @@ input and g_{n,t} = d log mu(y_n | x_n) / d y_{n,t}:
 The per-sequence score of W is sum_t g_t a_t^T; on-policy its cross-position terms vanish in expectation
 (`on-policy-token-fisher`), which licenses pooling per-token statistics, and the normalization puts the diagonal
 of A (x) G on the scale of the diagonal Fisher. The sums are kept in float32 (in^2 + out^2 numbers per weight,
-no per-sequence gradient), added across processes like the diagonal sums, and turned into eigenbases once
-(`anchor.kfac.basis_from_factors`).
+no per-sequence gradient; a sketch for factors too wide to form, below), added across processes like the
+diagonal sums, and turned into eigenbases once.
 
-Which weights: `kfac_kind` says which modules qualify (the stock nn.Linear and Conv1D forwards, both dimensions
-at most `MAX_DIMENSION`: a vocabulary-sized lm_head keeps its diagonal F).
+Which weights: `kfac_kind` says which modules qualify (the stock nn.Linear and Conv1D forwards with a 2-D weight),
+whatever their width, an untied vocabulary-sized lm_head included (a tied one is an embedding lookup too and keeps
+its diagonal F, `kfac_sums.kfac_weights`). A factor of dimension at most `MAX_FORMED_DIMENSION` is summed densely (`DenseFactor`,
+dim^2 floats) and decomposed exactly; a wider one is never formed: `SketchedFactor` streams a randomized sketch of
+it (`kfac_sketch.FactorSketch`, dim x l floats, l = rank + oversampling) and its exact trace, and its top
+eigenpairs come from the sketch's Nystrom approximation. Either way the factor keeps its top `rank` eigenpairs and
+the mean of the rest as its tail (`anchor.kfac.truncated_spectrum`); a sketched factor needs a rank (`WIDE_RANK`
+when none is given).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from ..anchor.kfac import eigenbasis, truncated_spectrum
+from .kfac_sketch import FactorSketch
 from .module_kinds import module_kind
 
-MAX_DIMENSION = 16384  # a weight with a larger input or output keeps its diagonal F (e.g. lm_head: vocab x hidden)
+MAX_FORMED_DIMENSION = 8192  # a wider factor (8192^2 float32 = 268 MB) is sketched, never formed
+WIDE_RANK = 256  # the eigenpairs a sketched factor keeps when the estimate asks for all of them (kfac_rank=None)
+
+Spectrum = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # (eigenvalues, eigenvectors, tail), float32
+
+
+class FactorSums(Protocol):
+    """What the scoring hooks add one factor's rows to: `rows()` (n x dim) or, for a dense sum, `gram()` =
+    rows^T rows (formed once by the caller for an input several weights share)."""
+
+    def add(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None: ...
 
 
 def kfac_kind(module: nn.Module) -> str | None:
@@ -33,34 +53,83 @@ def kfac_kind(module: nn.Module) -> str | None:
     if kind not in ("linear", "conv1d"):
         return None
     weight = module.weight
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or max(weight.shape) > MAX_DIMENSION:
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return None
     return kind
 
 
+class DenseFactor:
+    """S = sum_t x x^T of one factor, dim x dim float32 on the weight's device."""
+
+    def __init__(self, dim: int, device: torch.device):
+        self.sum = torch.zeros(dim, dim, dtype=torch.float32, device=device)
+
+    def add(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None:
+        """S += gram() (rows^T rows, formed once by the caller for inputs several weights share)."""
+        self.sum.add_(gram())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.sum]
+
+    def spectrum(self, count: float, rank: int | None, where: tuple[str, str, str]) -> Spectrum:
+        """The top `rank` eigenpairs (all when None) and the tail of X = S / count (`anchor.kfac.eigenbasis`;
+        `where`: weight name, "A" or "G", anchor name, for its errors)."""
+        name, which, anchor_name = where
+        return eigenbasis(name, which, (self.sum / count).cpu(), anchor_name, rank)
+
+
+class SketchedFactor:
+    """A factor too wide to form (`FactorSketch`: Y = S Omega and tr S, streamed)."""
+
+    def __init__(self, sketch: FactorSketch):
+        self.sketch = sketch
+
+    def add(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None:
+        """Y += rows^T (rows Omega), tr S += |rows|^2."""
+        self.sketch.add(rows())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.sketch.tensors()
+
+    def refined(self) -> "SketchedFactor":
+        """An empty factor for a second pass over the same rows (`FactorSketch.refined`)."""
+        return SketchedFactor(self.sketch.refined())
+
+    def spectrum(self, count: float, rank: int | None, where: tuple[str, str, str]) -> Spectrum:
+        """The sketch's top `rank` eigenpairs of X = S / count and the tail (tr X - sum kept) / (dim - rank)."""
+        values, vectors, trace = self.sketch.eigenpairs(count)
+        keep = self.sketch.rank if rank is None else min(rank, self.sketch.rank)
+        kept, tail = truncated_spectrum(values, trace, self.sketch.dim, keep, "mean")
+        return kept, vectors[:, :keep].cpu().contiguous(), tail
+
+
+def factor_sums(dim: int, rank: int | None, device: torch.device) -> DenseFactor | SketchedFactor:
+    """The accumulator of one factor: dense up to `MAX_FORMED_DIMENSION`, else a sketch of `rank` (or
+    `WIDE_RANK`) eigenpairs."""
+    if dim <= MAX_FORMED_DIMENSION:
+        return DenseFactor(dim, device)
+    return SketchedFactor(FactorSketch(dim, rank or WIDE_RANK, device))
+
+
 @dataclass
 class KroneckerSums:
-    """S_A = sum_{n,t} a a^T and S_G = sum_{n,t} g g^T of one weight, float32, on the weight's device."""
+    """The input factor's sums (S_A = sum_{n,t} a a^T) and the output factor's (S_G = sum_{n,t} g g^T) of one
+    weight, dense or sketched (`factor_sums`), on the weight's device."""
 
-    a_sum: torch.Tensor
-    g_sum: torch.Tensor
+    inputs: FactorSums
+    outputs: FactorSums
 
     @classmethod
-    def zeros(cls, in_features: int, out_features: int, device: torch.device) -> "KroneckerSums":
-        return cls(
-            torch.zeros(in_features, in_features, dtype=torch.float32, device=device),
-            torch.zeros(out_features, out_features, dtype=torch.float32, device=device),
-        )
+    def zeros(
+        cls, in_features: int, out_features: int, device: torch.device, rank: int | None = None
+    ) -> "KroneckerSums":
+        return cls(factor_sums(in_features, rank, device), factor_sums(out_features, rank, device))
 
     def add_output_grads(self, g: torch.Tensor, mask: torch.Tensor) -> None:
         """S_G += sum over the unpadded positions of g g^T; g: (B, T, out)."""
         rows = g[mask].float()
-        self.g_sum.addmm_(rows.T, rows)
+        self.outputs.add(lambda: rows, lambda: rows.T @ rows)
 
     def tensors(self) -> list[torch.Tensor]:
         """The sums, for an all-reduce across processes."""
-        return [self.a_sum, self.g_sum]
-
-    def factors(self, num_tokens: float, num_sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, G) = (S_A / T, S_G / N) on the CPU."""
-        return (self.a_sum / num_tokens).cpu(), (self.g_sum / num_sequences).cpu()
+        return [*self.inputs.tensors(), *self.outputs.tensors()]  # type: ignore[attr-defined]

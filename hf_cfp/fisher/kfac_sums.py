@@ -8,16 +8,17 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers.pytorch_utils import Conv1D
 
-from ..anchor.kfac import eigenbasis, with_tails
+from ..anchor.kfac import with_tails
 from ..ops.kfac import KroneckerBasis
 from .accumulators import DiagonalSums
-from .kfac_factors import KroneckerSums, kfac_kind
+from .kfac_factors import DenseFactor, KroneckerSums, SketchedFactor, Spectrum, kfac_kind
 
 
 def kfac_weights(model: nn.Module, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, nn.Module]:
     """The covered weights that carry Kronecker factors, by name, with their module, in `named`'s order: the
     weight of a `kfac_kind` module that no other module owns (a weight tied to an embedding, GPT-2's lm_head, is
-    used as a lookup too, and keeps a diagonal F like every other covered parameter)."""
+    used as a lookup too, and keeps a diagonal F like every other covered parameter), whatever its width (a factor
+    too wide to form is sketched, `kfac_factors`)."""
     owners: dict[int, list[nn.Module]] = {}
     for module in model.modules():
         for _, own in module.named_parameters(recurse=False):
@@ -35,8 +36,8 @@ class KroneckerFisherSums:
     parameter that is not a K-FAC weight (`DiagonalSums`, with its split-half statistics) and the factor sums of
     each K-FAC weight, added by the same scoring passes (the engines' `kronecker` argument); T, the unpadded
     positions scored, is counted beside them. `finish` divides (A = S_A / T, G = S_G / N) and decomposes each
-    factor into its top `rank` eigenpairs (`anchor.kfac.basis_from_factors`; consecutive equal factors, such as
-    the input factor of q, k and v projections, are decomposed once), with a progress bar when `show_progress`."""
+    factor into its top `rank` eigenpairs and its tail (`kfac_factors`; consecutive equal factors, such as the
+    input factor of q, k and v projections, are decomposed once), with a progress bar when `show_progress`."""
 
     def __init__(
         self,
@@ -52,30 +53,54 @@ class KroneckerFisherSums:
         self.names = list(factored)
         self.weights: list[torch.Tensor] = [m.weight for m in factored.values()]  # type: ignore[misc]
         self.sums = [
-            KroneckerSums.zeros(*_in_and_out(m), w.device)
+            KroneckerSums.zeros(*_in_and_out(m), w.device, rank)
             for m, w in zip(factored.values(), self.weights, strict=True)
         ]
         self.params = [*self.diagonal.params, *self.weights]
         self.tokens = torch.zeros(1, dtype=torch.float64)
         self.rank, self.anchor_name, self.show_progress = rank, anchor_name, show_progress
+        sketched = any(isinstance(f, SketchedFactor) for s in self.sums for f in (s.inputs, s.outputs))
+        self.scored: list[tuple[list, list, list]] | None = [] if sketched else None  # replayed by `refine`
 
     def add(self, model, prompts: list, responses: list, supports: list, first_half: bool) -> None:
         sums = self.diagonal.first if first_half else self.diagonal.second
-        kronecker = {len(sums) + j: s for j, s in enumerate(self.sums)}
+        self._score(model, self.params, [*sums, *([None] * len(self.sums))], self.sums, (prompts, responses, supports))
+        self.tokens += sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+        if self.scored is not None:
+            self.scored.append((prompts, responses, supports))
+
+    def _score(self, model, params: list, accumulators: list, kronecker: list[KroneckerSums], group: tuple) -> None:
+        """One scoring pass of `group` (prompts, responses, supports) adding to `accumulators` (None for the
+        factored weights) and to the `kronecker` sums of the last len(kronecker) of `params`."""
+        first = len(params) - len(kronecker)
         diagonal = self.diagonal
-        accumulators = [*sums, *([None] * len(self.sums))]
+        prompts, responses, supports = group
         diagonal.score(
             model,
-            self.params,
+            params,
             accumulators,
             prompts,
             responses,
             diagonal.sampler,
             diagonal.pad_id,
             supports=supports,
-            kronecker=kronecker,
+            kronecker={first + j: s for j, s in enumerate(kronecker)},
         )
-        self.tokens += sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
+
+    def refine(self, model) -> list[torch.Tensor]:
+        """One subspace iteration of every sketched factor (`kfac_sketch.FactorSketch.refined`: Omega <- orth(Y),
+        after the sums were all-reduced): the groups this process scored are scored again with only the sketched
+        factors summing. Returns their new sums, to be all-reduced before `finish`; [] when nothing is sketched
+        (nothing is scored)."""
+        if not self.scored:
+            return []
+        replay = [KroneckerSums(_Replay(s.inputs), _Replay(s.outputs)) for s in self.sums]  # type: ignore[arg-type]
+        for group in self.scored:
+            self._score(model, self.weights, [None] * len(self.weights), replay, group)
+        self.sums = [KroneckerSums(r.inputs.target, r.outputs.target) for r in replay]  # type: ignore[attr-defined]
+        self.scored = None
+        factors = [f for r in replay for f in (r.inputs, r.outputs)]
+        return [t for f in factors if f.sketched for t in f.target.tensors()]  # type: ignore[attr-defined]
 
     def reduced(self) -> list[torch.Tensor]:
         return [*self.diagonal.reduced(), *(t for s in self.sums for t in s.tensors()), self.tokens]
@@ -85,7 +110,7 @@ class KroneckerFisherSums:
         statistics)."""
         fisher, _, reliability = self.diagonal.finish()
         bases = {}
-        last_a: torch.Tensor | None = None
+        last: tuple[torch.Tensor | None, Spectrum | None] = (None, None)
         weights = tqdm(
             zip(self.names, self.sums, strict=True),
             total=len(self.names),
@@ -94,12 +119,29 @@ class KroneckerFisherSums:
             disable=not self.show_progress,
         )
         for name, sums in weights:  # the eigendecompositions: seconds per large factor on a CPU
-            a, g = sums.factors(float(self.tokens), self.diagonal.num_sequences)
-            if last_a is None or not torch.equal(a, last_a):
-                last_a, input_part = a, eigenbasis(name, "A", a, self.anchor_name, self.rank)
-            bases[name] = with_tails(*input_part, *eigenbasis(name, "G", g, self.anchor_name, self.rank))
+            key = sums.inputs.tensors()[0]
+            if last[0] is None or not torch.equal(key, last[0]):  # q, k and v projections read one input
+                last = (key, sums.inputs.spectrum(float(self.tokens), self.rank, (name, "A", self.anchor_name)))
+            output = sums.outputs.spectrum(self.diagonal.num_sequences, self.rank, (name, "G", self.anchor_name))
+            bases[name] = with_tails(*last[1], *output)  # type: ignore[misc]
         self.sums = []
         return fisher, bases, reliability
+
+
+class _Replay:
+    """One factor in a refinement pass: a sketched factor's refined sketch (`SketchedFactor.refined`) sums the rows
+    again; a dense factor, already complete, ignores them."""
+
+    def __init__(self, factor: DenseFactor | SketchedFactor):
+        self.target = factor.refined() if isinstance(factor, SketchedFactor) else factor
+
+    @property
+    def sketched(self) -> bool:
+        return isinstance(self.target, SketchedFactor)
+
+    def add(self, rows, gram) -> None:
+        if self.sketched:
+            self.target.add(rows, gram)
 
 
 def _in_and_out(module: nn.Module) -> tuple[int, int]:

@@ -14,7 +14,8 @@ from support.kfac_reference import exact_factors, loop_factors
 from support.tiny import tiny_llama
 
 from hf_cfp import CFPArgumentError, estimate_fisher
-from hf_cfp.fisher.kfac_factors import MAX_DIMENSION, kfac_kind
+from hf_cfp.fisher import kfac_factors
+from hf_cfp.fisher.kfac_factors import kfac_kind
 
 
 def linear_weights(model):
@@ -120,10 +121,45 @@ def test_truncated_bases_keep_the_top_eigenpairs():
     assert top.metadata["kfac_rank"] == 3
 
 
-def test_vocabulary_sized_layers_keep_a_diagonal_f():
-    assert MAX_DIMENSION >= 8192
-    head = torch.nn.Linear(8, MAX_DIMENSION + 1, bias=False)
-    assert kfac_kind(head) is None and kfac_kind(torch.nn.Linear(8, 4)) == "linear"
+def test_layers_of_any_width_are_factored():
+    head = torch.nn.Linear(8, 200_000, bias=False, device="meta")  # wider than any vocabulary
+    assert kfac_kind(head) == "linear" and kfac_kind(torch.nn.Linear(8, 4)) == "linear"
+
+
+def principal_sines(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The sines of the principal angles between the column spans of u and v (orthonormal columns)."""
+    cosines = torch.linalg.svdvals(u.double().T @ v.double()).clamp(max=1)
+    return (1 - cosines.square()).sqrt()
+
+
+def test_sketched_factors_agree_with_formed_ones(monkeypatch):
+    """The same estimate with every factor formed, and with factors wider than 40 sketched (the MLP's 64-wide
+    factors): the top-4 eigenvalues within 1%, principal angles of the top-2 subspaces
+    small, each factor's trace (kept eigenvalues plus the tail over the rest) equal to float32 precision, and so the
+    tails within 1%."""
+    model = tiny_llama(vocab_size=32, hidden_size=32, layers=1, seed=7)
+    common = dict(num_sequences=24, max_new_tokens=6, batch_size=8, seed=0, show_progress=False, structure="kfac")
+    formed = estimate_fisher(model, None, [[1, 2, 3], [4, 5, 6, 7]], kfac_rank=4, **common)
+    monkeypatch.setattr(kfac_factors, "MAX_FORMED_DIMENSION", 40)
+    sketched = estimate_fisher(model, None, [[1, 2, 3], [4, 5, 6, 7]], kfac_rank=4, **common)
+    wide = 0
+    for name in formed.kfac_names:
+        for which in ("a", "g"):
+            formed_part, sketched_part = (
+                [getattr(anchor.kfac[name], f"{which}_{part}") for part in ("values", "vectors", "tail")]
+                for anchor in (formed, sketched)
+            )
+            (f_values, f_vectors, f_tail), (s_values, s_vectors, s_tail) = formed_part, sketched_part
+            wide += f_vectors.shape[0] > 40
+            assert torch.allclose(s_values, f_values, rtol=1e-2), (name, which)
+            assert float(principal_sines(s_vectors[:, :2], f_vectors[:, :2]).max()) < 0.05, (name, which)
+            dim = f_vectors.shape[0]
+            f_trace, s_trace = (
+                float(v.double().sum()) + float(t) * (dim - 4) for v, t in ((f_values, f_tail), (s_values, s_tail))
+            )
+            assert s_trace == pytest.approx(f_trace, rel=1e-5), (name, which)  # the exact trace, kept
+            assert float(s_tail) == pytest.approx(float(f_tail), rel=1e-2), (name, which)
+    assert wide == 3  # gate_proj's and up_proj's G, down_proj's A were sketched
 
 
 @pytest.mark.parametrize(
