@@ -15,10 +15,11 @@ diagonal sums, and turned into eigenbases once.
 
 Which weights: `kfac_kind` says which modules qualify (the stock nn.Linear and Conv1D forwards with a 2-D weight),
 whatever their width, an untied vocabulary-sized lm_head included (a tied one is an embedding lookup too and keeps
-its diagonal F, `kfac_sums.kfac_weights`). A factor of dimension at most `MAX_FORMED_DIMENSION` is summed densely (`DenseFactor`,
-dim^2 floats) and decomposed exactly; a wider one is never formed: `SketchedFactor` streams a randomized sketch of
-it (`kfac_sketch.FactorSketch`, dim x l floats, l = rank + oversampling) and its exact trace, and its top
-eigenpairs come from the sketch's Nystrom approximation. Either way the factor keeps its top `rank` eigenpairs and
+its diagonal F, `kfac_sums.kfac_weights`). A factor of dimension at most `MAX_FORMED_DIMENSION` is summed densely
+(`DenseFactor`, dim^2 floats) and decomposed exactly; a wider one is never formed: `SketchedFactor` streams a
+randomized sketch of it (`kfac_sketch.FactorSketch`, dim x l floats, l = rank + oversampling) and its exact trace,
+and its top eigenpairs come from the sketch's Nystrom approximation after one more pass over the scored sequences
+(`kfac_sums.KroneckerFisherSums.refine`). Either way the factor keeps its top `rank` eigenpairs and
 the mean of the rest as its tail (`anchor.kfac.truncated_spectrum`); a sketched factor needs a rank (`WIDE_RANK`
 when none is given).
 """
