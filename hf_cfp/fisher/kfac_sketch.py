@@ -94,8 +94,8 @@ class FactorSketch:
         """(top-rank eigenvalues, largest first, float32 (rank,), >= 0; their eigenvectors (dim, rank) float32,
         orthonormal columns; tr X = trace / count, a float) of X = S / count, from the stable single-view Nystrom
         approximation S_nys = Y (Omega^T Y)^+ Y^T (Tropp, Yurtsever, Udell, Cevher 2017, Alg. 3: shift
-        nu = eps * ||Y||, Cholesky of Omega^T Y_nu, SVD of Y_nu C^-T, eigenvalues max(s^2 - nu, 0)), computed in float64
-        on the device.
+        nu = eps * ||Y||, Cholesky of Omega^T Y_nu, SVD of Y_nu C^-T, eigenvalues max(s^2 - nu, 0)), computed in
+        float64 on the device.
 
         In full: Y_nu = Y + nu Omega is the sketch of S + nu I; with C C^T = sym(Omega^T Y_nu) (lower C),
         B = Y_nu C^-T has B B^T = Y_nu (Omega^T Y_nu)^-1 Y_nu^T, and its left singular vectors and s^2 - nu are the
