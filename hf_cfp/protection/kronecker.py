@@ -2,9 +2,12 @@
 
 `KroneckerTensors` is what `CFPState` adds beside `diagonal.DiagonalTensors` for the weights of K-FAC anchors
 (`ops.kfac` states the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
-products). A weight held whole (one process, DDP) is rotated locally; one whose rows are sharded (FSDP2) is
-rotated as a partial sum over its rows, completed by an all-reduce of the batch's rotated blocks (r_G x r_A floats
-per weight; one collective per batch, per correction and per metrics call). Its drift sums come,
+products). A weight held whole is rotated locally; replicated on several processes (DDP), each batch is corrected
+by one owning process (`balanced_owners`, by FLOPs) and the corrected weights reach the others in one all-reduce
+per correction (their values, zeros from the other processes: 2 bytes per bfloat16 parameter, like a gradient
+all-reduce). One whose rows are sharded (FSDP2) is rotated as a partial sum over its rows, completed by an
+all-reduce of the batch's partial sums (r_G x r_A floats per weight, and with a tail r_G x in + r_A + 1 more; one
+collective per batch, per correction and per metrics call). Its drift sums come,
 like the diagonal ones, as float64 [1 + 2V] vectors in the metric order of `names.drift_keys`: the rotated sums are
 complete on every process (replicated), the sum of Delta^2 of sharded rows is added across processes by the caller.
 """
@@ -23,7 +26,7 @@ from ..ops.kfac import (
     kfac_pull_,
     rotated_displacements,
 )
-from ..parallel import all_reduce_sum_
+from ..parallel import all_reduce_sum_, process_rank_and_count
 from .memory import MemoryPlan
 from .records import AdaptedTensor, AnchorView, TrackedTensor
 
@@ -71,6 +74,11 @@ class _Factored:
         self.batches = [
             _Batch(anchor, same[i : i + BATCH]) for same in kinds.values() for i in range(0, len(same), BATCH)
         ]
+        rank, world = process_rank_and_count()
+        split = not sharded and world > 1  # replicated weights (DDP): each batch corrected by one process
+        owners = balanced_owners([_flops(b) for b in self.batches], world) if split else [rank] * len(self.batches)
+        self.owned = [owner == rank for owner in owners]
+        self.split = split
 
     def reduce(self, partials: list[torch.Tensor]) -> None:
         """Complete partial projections of row-sharded weights (one all-reduce); nothing for whole ones."""
@@ -87,10 +95,16 @@ class _Factored:
     def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
         """Every batch pulled from its projected proposal (`ops.kfac.kfac_pull_`; projected here one batch at a
         time unless given), written back."""
+        corrected = []
         for i, batch in enumerate(self.batches):
-            weights, theta0 = batch.weights(), batch.theta0()
-            r = rotated[i] if rotated is not None else self.rotated(batch, weights)
-            kfac_pull_([weights], [theta0], [batch.basis], lam, rotated=[r])
+            weights = batch.weights()
+            if self.owned[i]:
+                r = rotated[i] if rotated is not None else self.rotated(batch, weights)
+                kfac_pull_([weights], [batch.theta0()], [batch.basis], lam, rotated=[r])
+            corrected.append(weights if self.owned[i] else torch.zeros_like(weights))
+        if self.split:  # the owners' corrected weights reach every process: one all-reduce (zeros elsewhere)
+            all_reduce_sum_(corrected)
+        for batch, weights in zip(self.batches, corrected, strict=True):
             batch.write(weights)
 
     @torch.no_grad()
@@ -101,6 +115,24 @@ class _Factored:
             found = kfac_drift_squares([b.weights()], [b.theta0()], [b.basis], threshold, self.reduce)
             complete, local = complete + found[0], local + found[1]
         return complete, local
+
+
+def _flops(batch: _Batch) -> int:
+    """The multiply-adds of one batch's correction, about 4 out in r per weight (`ops.kfac`)."""
+    basis = batch.basis
+    out_dim, rank = basis.g_vectors.shape[-2], max(basis.a_values.shape[-1], basis.g_values.shape[-1])
+    return len(batch.tensors) * out_dim * basis.a_vectors.shape[-2] * rank
+
+
+def balanced_owners(costs: Sequence[int], processes: int) -> list[int]:
+    """The process that owns each item: largest first, each to the least loaded process so far (ties: the lowest
+    rank), the same on every process."""
+    loads = [0] * processes
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owners[i] = min(range(processes), key=lambda p: (loads[p], p))
+        loads[owners[i]] += costs[i]
+    return owners
 
 
 class KroneckerTensors:

@@ -23,6 +23,8 @@ from support.distributed import (
     trainer_run,
 )
 
+from hf_cfp.fisher import kfac_factors
+
 
 @pytest.fixture(scope="module")
 def kfac_dir(tmp_path_factory):
@@ -32,9 +34,23 @@ def kfac_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(kfac_dir, tmp_path_factory):
+def tailed_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kfac-tailed-anchor")
+    anchor = estimate_kfac_anchor(make_model(), rank=3)
+    assert all(basis.tailed for basis in anchor.kfac.values())
+    anchor.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def anchors(kfac_dir, tailed_dir):
+    return {"": kfac_dir, "_tailed": tailed_dir}
+
+
+@pytest.fixture(scope="module")
+def ranks(kfac_dir, tailed_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("kfac-distributed")
-    run = run_worker("kfac_distributed_worker.py", out, kfac_dir)
+    run = run_worker("kfac_distributed_worker.py", out, kfac_dir, tailed_dir)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
@@ -69,21 +85,39 @@ def check_equal_to_one_process(ranks, mode, single, single_logs, plain):
         assert ranks[0][f"{mode}_logs"][key] == pytest.approx(single_logs[key], rel=1e-5), (mode, key)
 
 
-def test_ddp_equals_one_process(ranks, kfac_dir, tmp_path):
+def test_sketched_factors_on_two_processes_equal_one_process(ranks, monkeypatch):
+    """Factors wider than 20 sketched (all-reduced sketches, refined by a second pass on each process's own
+    sequences) give the one-process factors (A_r, G_r with their tails)."""
+    monkeypatch.setattr(kfac_factors, "MAX_FORMED_DIMENSION", 20)
+    single = estimate_kfac_anchor(make_model(), rank=3)
+    for r in ranks:
+        for name, (a, g) in r["sketched"].items():
+            want_a, want_g = single.kfac_factors(name)
+            assert torch.allclose(a, want_a, rtol=1e-3, atol=1e-4 * float(want_a.abs().max())), name
+            assert torch.allclose(g, want_g, rtol=1e-3, atol=1e-4 * float(want_g.abs().max())), name
+
+
+@pytest.mark.parametrize("suffix", ["", "_tailed"])
+def test_ddp_equals_one_process(ranks, anchors, suffix, tmp_path):
+    """Each factored batch corrected by one process (both own some), the corrected weights shared."""
+    assert all(owned > 0 for r in ranks for owned in r[f"ddp{suffix}_owned"][:1])
     model = make_model()
-    single_logs = trainer_run(model, [make_kfac_callback(kfac_dir)], tmp_path / "one", per_device_batch=ROWS)
+    callbacks = [make_kfac_callback(anchors[suffix])]
+    single_logs = trainer_run(model, callbacks, tmp_path / "one", per_device_batch=ROWS)
     plain = make_model()
     trainer_run(plain, [], tmp_path / "plain", per_device_batch=ROWS)
-    check_equal_to_one_process(ranks, "ddp", trainable(model), single_logs, trainable(plain))
+    check_equal_to_one_process(ranks, f"ddp{suffix}", trainable(model), single_logs, trainable(plain))
 
 
-def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, kfac_dir):
-    assert ranks[0]["fsdp2_sharded"] and ranks[0]["fsdp2_sharded"] == ranks[1]["fsdp2_sharded"]
+@pytest.mark.parametrize("suffix", ["", "_tailed"])
+def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, anchors, suffix):
+    sharded = ranks[0][f"fsdp2{suffix}_sharded"]
+    assert sharded and sharded == ranks[1][f"fsdp2{suffix}_sharded"]
     model = make_model()
-    single_logs = loop_run(model, make_kfac_callback(kfac_dir), make_rows())
+    single_logs = loop_run(model, make_kfac_callback(anchors[suffix]), make_rows())
     plain = make_model()
     loop_run(plain, None, make_rows())
-    check_equal_to_one_process(ranks, "fsdp2", trainable(model), single_logs, trainable(plain))
+    check_equal_to_one_process(ranks, f"fsdp2{suffix}", trainable(model), single_logs, trainable(plain))
 
 
 def test_fsdp1_flat_pieces_are_refused_with_what_to_do(ranks):

@@ -89,8 +89,9 @@ def make_callback(model, **kwargs):
     return CFPCallback(math_anchor, lam=LAM, monitor=[code_anchor], **kwargs)
 
 
-def estimate_kfac_anchor(model):
-    """A K-FAC anchor of `model` (seeded: the same on any number of processes), named `math`."""
+def estimate_kfac_anchor(model, rank=None):
+    """A K-FAC anchor of `model` (seeded: the same on any number of processes), named `math`; `rank`: the top
+    eigenpairs kept per factor, with the mean of the rest as its tail."""
     from hf_cfp import estimate_fisher
 
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
@@ -103,6 +104,7 @@ def estimate_kfac_anchor(model):
         batch_size=2,
         seed=0,
         structure="kfac",
+        kfac_rank=rank,
         show_progress=False,
         name="math",
     )
