@@ -28,6 +28,7 @@ def render_card(anchor: NamedFisher, reference: str) -> ModelCard:
         reference=reference,
         kfac_weights=len(anchor.kfac),
         kfac_rank=meta.get("kfac_rank") or "full",
+        kfac_tails=f"{kfac['tail_share']:.0%}" if (kfac := meta.get("kfac")) and kfac.get("truncated") else None,
         base_model=base,
         base_revision=meta.get("base_model_revision"),
         num_prompts=meta.get("num_prompts", "?"),

@@ -82,8 +82,14 @@ def _structure(metadata: Mapping) -> str | None:
     if metadata.get("structure") != "kfac" or not kfac:
         return "diagonal" if "structure" in metadata else None
     ranks = ", ".join(map(str, kfac["ranks"]))
+    truncated = kfac.get("truncated", 0)
+    tails = (
+        f"; {truncated} truncated factors, their tails carry {kfac.get('tail_share', 0.0):.0%} of the trace on average"
+        if truncated
+        else ""
+    )
     return (
-        f"kfac: {kfac['weights']} Linear weights as A (x) G eigenbases (eigenpairs per factor: {ranks}; "
+        f"kfac: {kfac['weights']} Linear weights as A (x) G eigenbases (eigenpairs per factor: {ranks}{tails}; "
         f"{kfac['stored_floats']:,} floats), a diagonal F for the other parameters"
     )
 

@@ -34,6 +34,7 @@ def test_estimate_inspect_and_compare_kfac_anchors(model_dir, tmp_path, capsys):
     main(["inspect", str(tmp_path / "top4")])
     out = capsys.readouterr().out
     assert "  structure      kfac: 15 Linear weights as A (x) G eigenbases (eigenpairs per factor: 4;" in out
+    assert "30 truncated factors, their tails carry" in out  # every factor is wider than 4
     main(["inspect", str(tmp_path / "flat")])
     assert "  structure      diagonal\n" in capsys.readouterr().out
     main(["compare", str(tmp_path / "full"), str(tmp_path / "top4")])

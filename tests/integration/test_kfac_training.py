@@ -13,10 +13,11 @@ from support.training import lm_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_cfp import CFP, CFPCallback, FisherAnchor, estimate_fisher
+from hf_cfp.fisher import kfac_factors
 from hf_cfp.names import LAM, PREDICTED_KL
 
 
-def kfac_anchor(model, name="math"):
+def kfac_anchor(model, name="math", rank=None):
     return estimate_fisher(
         model,
         None,
@@ -26,6 +27,7 @@ def kfac_anchor(model, name="math"):
         batch_size=3,
         seed=0,
         structure="kfac",
+        kfac_rank=rank,
         show_progress=False,
         name=name,
     )
@@ -115,9 +117,12 @@ def test_loop_api_state_dict_resumes_bit_for_bit(anchor_dir):
     assert all(torch.equal(p, straight[n]) for n, p in model.named_parameters())
 
 
-def test_pushed_and_pulled_from_the_hub_it_protects_as_the_original(local_hub, tmp_path):
+@pytest.mark.parametrize("rank", [None, 3])  # 3: with the mean tails, the 32-wide factors sketched
+def test_pushed_and_pulled_from_the_hub_it_protects_as_the_original(local_hub, tmp_path, rank, monkeypatch):
     model = tiny_llama()
-    anchor = kfac_anchor(model)
+    if rank is not None:
+        monkeypatch.setattr(kfac_factors, "MAX_FORMED_DIMENSION", 20)
+    anchor = kfac_anchor(model, rank=rank)
     anchor.push_to_hub("org/anchors")
     files = local_hub.files("org/anchors")
     assert "Kronecker-factored (K-FAC)" in files["cfp/math/README.md"].decode()
@@ -126,6 +131,22 @@ def test_pushed_and_pulled_from_the_hub_it_protects_as_the_original(local_hub, t
     for name in anchor.kfac_names:
         for got, want in zip(pulled.kfac_factors(name), anchor.kfac_factors(name), strict=True):
             assert torch.equal(got, want)
+    theta0 = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    protector = CFP(model, pulled, lam=50.0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    proposal = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    protector.step()
+    for name, param in model.named_parameters():  # the dense float64 solve (I + lam kron(G_r, A_r))^-1 vec(D)
+        d = (proposal[name] - theta0[name]).reshape(-1)
+        if name in anchor.kfac:
+            a, gg = (f.double() for f in anchor.kfac_factors(name))
+            want = torch.linalg.solve(torch.eye(len(d), dtype=torch.float64) + 50.0 * torch.kron(gg, a), d)
+        else:
+            want = d / (1 + 50.0 * anchor.fisher[name].double().reshape(-1))
+        assert torch.allclose((param.detach().double() - theta0[name]).reshape(-1), want, atol=2e-6), name
 
 
 def test_trl_dpo_runs_with_a_kfac_anchor(anchor_dir, tmp_path):

@@ -20,7 +20,7 @@ from hf_cfp.names import ADAPTER_RESIDUAL, SENSITIVE_DRIFT  # noqa: E402
 LAM = 20.0
 
 
-def lora_setup(seed=0):
+def lora_setup(seed=0, rank=None):
     base = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=seed)
     weights = {n: p.detach().double().clone() for n, p in base.named_parameters()}
     anchor = estimate_fisher(
@@ -31,6 +31,7 @@ def lora_setup(seed=0):
         max_new_tokens=4,
         seed=seed,
         structure="kfac",
+        kfac_rank=rank,
         show_progress=False,
         name="math",
     )
@@ -46,8 +47,10 @@ def lora_layers(model):
     }
 
 
-def test_b_is_the_dense_proximal_minimizer_and_the_metrics_are_the_merged_quadratic():
-    weights, anchor, model = lora_setup()
+@pytest.mark.parametrize("rank", [None, 3])  # 3: the top 3 eigenpairs of each factor and the mean tail
+def test_b_is_the_dense_proximal_minimizer_and_the_metrics_are_the_merged_quadratic(rank):
+    weights, anchor, model = lora_setup(rank=rank)
+    assert all(basis.tailed == (rank is not None) for basis in anchor.kfac.values())
     state = CFPState(model, anchor)
     layers = lora_layers(model)
     assert sorted(layers) == sorted(w.name for w, _, _ in state.adapters.factored)
