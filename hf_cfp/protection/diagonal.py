@@ -4,8 +4,8 @@
 `ops.correction.proximal_pull_`, `ops.drift.drift_squares` and `ops.budget.budget_terms` take, built once at bind
 (only the parameters' local tensors are resolved at each use: FSDP2 and ZeRO-3 may replace them). Sums come in
 two parts, over replicated tensors (counted once) and over sharded ones (added across processes by the caller,
-one collective for every geometry). Another geometry of F (a Kronecker-factored one, corrected by a rotation)
-is another such group beside this one.
+one collective for every geometry). It is one `geometry.Geometry` of `CFPState`; a Kronecker-factored F is
+another (`kronecker.KroneckerTensors`).
 """
 
 from collections.abc import Mapping, Sequence
@@ -102,8 +102,8 @@ class DiagonalTensors:
         return self.replicated_drift.squares(), self.sharded_drift.squares()
 
     @property
-    def drift_shard_device(self) -> torch.device | None:
-        """The device the sharded drift sums are all-reduced on (the first sharded tensor's), None with none."""
+    def shard_device(self) -> torch.device | None:
+        """The device the sharded sums are all-reduced on (the first sharded tensor's), None with none."""
         sharded = self.sharded_drift.tensors
         return sharded[0].local().device if sharded else None
 
@@ -111,16 +111,9 @@ class DiagonalTensors:
         """(replicated, sharded) `budget_terms` of the protected tensors: [KL_k, dKL_k / dlam_k], float64 [2, K]."""
         return self.replicated_budget.terms(lams), self.sharded_budget.terms(lams)
 
-    @property
-    def budget_shard_device(self) -> torch.device | None:
-        """The device the sharded budget terms are all-reduced on (the first sharded protected tensor's theta0's),
-        None with none."""
-        sharded = self.sharded_budget.theta0
-        return sharded[0].device if sharded else None
-
-    def pull_profile(self, lams: Sequence[float]) -> tuple[int, float, float, float]:
-        """`pull_profile` of P = sum_k lam_k F_k over the protected coordinates."""
-        return pull_profile(PullStrengths(self.protected.rows, lams))
+    def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
+        """P = sum_k lam_k F_k of every protected tensor, computed when read (for the pull profile)."""
+        return PullStrengths(self.protected.rows, lams)
 
     def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(theta0 and every anchor's F of every tracked tensor; the sparse correction's kept indices, theta0 and

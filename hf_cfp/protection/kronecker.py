@@ -196,13 +196,19 @@ class KroneckerTensors:
             (sharded if group.sharded else replicated)[2 + 2 * v] += local[0]
         return replicated, sharded
 
-    def budget_terms(self, lams: Sequence[float]) -> torch.Tensor:
-        """[KL_k, dKL_k / dlam_k] of the protected K-FAC weights (float64 [2, K], complete on every process) for the
-        rotated proposals (`ops.kfac.kfac_budget_terms`)."""
+    def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(complete, nothing to add across processes): [KL_k, dKL_k / dlam_k] of the protected K-FAC weights
+        (float64 [2, K], complete on every process) for the projected proposals (`ops.kfac.kfac_budget_terms`)."""
         terms = torch.zeros(2, len(self.protecting), dtype=torch.float64)
         for (k, group), rotated in zip(self.protected(), self.proposal(), strict=True):
             terms[:, k] += kfac_budget_terms(rotated, [b.basis for b in group.batches], lams[k])
-        return terms
+        return terms, torch.zeros_like(terms)
+
+    @property
+    def shard_device(self) -> torch.device | None:
+        """The device the sharded sums are all-reduced on (a row-sharded weight's), None with none."""
+        sharded = [t for g in self.groups if g.sharded for b in g.batches for t in b.tensors]
+        return sharded[0].local().device if sharded else None
 
     def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
         """lam_k e for the eigenvalue e of every coordinate of every protected weight (`KroneckerBasis.
@@ -216,10 +222,10 @@ class KroneckerTensors:
             ]
         )
 
-    def kept(self) -> list[torch.Tensor]:
-        """The eigenbases CFP keeps for these weights."""
+    def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the eigenbases CFP keeps for these weights, nothing offloaded)."""
         bases = [b.basis for g in self.groups for b in g.batches]
-        return [t for b in bases for t in stored_parts(b).values()]
+        return [t for b in bases for t in stored_parts(b).values()], []
 
 
 class _Strengths(Sequence[torch.Tensor]):

@@ -12,12 +12,12 @@ import torch
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
-from ..ops import DriftView, PullStrengths, solve_budget
-from ..parallel import all_reduce_sum_
+from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
 from .binding import bind_anchor
 from .diagonal import Chained, DiagonalTensors, pull_profile, sparse_correction
+from .geometry import Geometry, complete
 from .kronecker import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
 from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
@@ -41,8 +41,9 @@ class CFPState:
     What it holds, as named records (`records`): `tensors`, one `TrackedTensor` per covered trainable parameter
     (theta0, held range, each anchor's F); `views`, one `AnchorView` per anchor (its tensors, its free-drift
     threshold); `diagonal`, the tensors whose F is a diagonal, with the lists the per-step ops take (`diagonal`);
-    `adapted` and `adapters`, the LoRA-adapted weights and their correction. A second geometry of F is one more
-    group beside `diagonal`, whose correction, drift sums and budget terms these methods add to its own.
+    `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F is one
+    `geometry.Geometry` in `geometries` (`diagonal`, the tensors whose F is a diagonal; `kronecker`, the weights
+    K-FAC anchors factor): every method below runs them alike, with no branch on the structure.
 
     Args:
         model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
@@ -107,6 +108,7 @@ class CFPState:
         self.model, self.memory, self.protecting = model, memory, names
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
+        self.geometries: tuple[Geometry, ...] = (diagonal, kronecker)
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
@@ -151,8 +153,8 @@ class CFPState:
             self.master.carry(lambda: self.adapters.correct(self.lams, measure_residual))
         else:
             self.adapters.correct(self.lams, measure_residual)
-        self.diagonal.correct(self.lams)
-        self.kronecker.correct(self.lams)
+        for geometry in self.geometries:
+            geometry.correct(self.lams)
         if self.master is not None:
             self.master.correct(self.lams)
 
@@ -163,8 +165,8 @@ class CFPState:
         Returns:
             `tuple[int, int]`: (bytes CFP keeps beside the parameters, bytes it keeps offloaded to CPU memory).
         """
-        full, kept = self.diagonal.kept()
-        full += self.kronecker.kept()
+        parts = [geometry.kept() for geometry in self.geometries]
+        full, kept = [t for part, _ in parts for t in part], [t for _, part in parts for t in part]
         full_bytes, kept_bytes = (
             sum({t.untyped_storage().data_ptr(): t.nbytes for t in ts}.values()) for ts in (full, kept)
         )
@@ -181,9 +183,7 @@ class CFPState:
             `tuple[int, float, float, float]`: (protected coordinates, the share of them with P > 1, the 99th and the
             99.9th percentile of P).
         """
-        if not self.kronecker:
-            return self.diagonal.pull_profile(lams)
-        return pull_profile(Chained(PullStrengths(self.diagonal.protected.rows, lams), self.kronecker.strengths(lams)))
+        return pull_profile(Chained(*(geometry.strengths(lams) for geometry in self.geometries)))
 
     def budget_lams(self, budgets: Sequence[float], tolerance: float = 0.01) -> list[float]:
         """The lams that keep each protecting anchor's predicted KL 0.5 Delta^T F_k Delta (Delta: the corrected
@@ -203,14 +203,9 @@ class CFPState:
         """
         if self.sparse is not None:
             raise CFPArgumentError("kl_budget needs a dense memory plan (sparse=None): it sums over every coordinate.")
-        device = self.diagonal.budget_shard_device
 
         def evaluate(lams: Sequence[float]) -> torch.Tensor:
-            replicated, sharded = self.diagonal.budget_terms(lams)
-            if device is not None:
-                sharded = sharded.to(device)
-                all_reduce_sum_([sharded])
-            return replicated + sharded.cpu() + self.kronecker.budget_terms(lams)
+            return complete(self.geometries, [geometry.budget_terms(lams) for geometry in self.geometries])
 
         return solve_budget(evaluate, budgets, self.lams, tolerance)
 
@@ -228,18 +223,12 @@ class CFPState:
             `dict[str, float]`: metric key (`hf_cfp.names.LOGGED_METRICS`) -> value.
         """
         keys = drift_keys(self.views)
-        replicated, shard_sums = self.diagonal.drift_squares()
-        if self.kronecker:  # K-FAC weights: their sensitive and free sums in the rotated coordinates
-            kfac_replicated, kfac_sharded = self.kronecker.drift_squares()
-            replicated, shard_sums = replicated + kfac_replicated, shard_sums + kfac_sharded
+        parts = [geometry.drift_squares() for geometry in self.geometries]
         if self.adapted:  # LoRA-adapted weights (not sharded): replicated sums
-            replicated += adapted_drift_sq(self.adapted, self._adapted_views)
-            replicated += adapted_kronecker_squares(self._adapted, self.views)
-        device = self.diagonal.drift_shard_device
-        if device is not None:
-            shard_sums = shard_sums.to(device)
-            all_reduce_sum_([shard_sums])
-        totals = (replicated + shard_sums.cpu()).tolist()
+            nothing = torch.zeros(len(keys), dtype=torch.float64)
+            parts.append((adapted_drift_sq(self.adapted, self._adapted_views), nothing))
+            parts.append((adapted_kronecker_squares(self._adapted, self.views), nothing))
+        totals = complete(self.geometries, parts).tolist()
         metrics = {key: math.sqrt(value) for key, value in zip(keys, totals, strict=True)}
         for name in self.views:  # KL(mu_0 || mu_theta) ~ 0.5 Delta^T F Delta on the anchor's calibration prompts
             metrics[PREDICTED_KL.key(name)] = 0.5 * metrics[SENSITIVE_DRIFT.key(name)] ** 2

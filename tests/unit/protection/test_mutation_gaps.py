@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import hf_cfp.protection.checkpoint as checkpoint
+import hf_cfp.protection.geometry as geometry_module
 import hf_cfp.protection.state as state_module
 from hf_cfp import CFPError, FisherAnchor
 from hf_cfp.fisher.per_sequence_grads import Use, accumulate
@@ -253,7 +254,7 @@ def second_process_with_equal_shards(monkeypatch):
         calls.append(sums.dtype)
         sums.mul_(2)
 
-    monkeypatch.setattr(state_module, "all_reduce_sum_", all_reduce)
+    monkeypatch.setattr(geometry_module, "all_reduce_sum_", all_reduce)  # the one collective of CFPState
     return calls
 
 
