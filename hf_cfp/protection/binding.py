@@ -70,11 +70,44 @@ def bind_anchor(
     parameters never move, so they are skipped (one log line says which). A sharded parameter
     (FSDP2 DTensor, FSDP1 piece, ZeRO-3 partition) gets only the slice of F matching its local part.
     """
-    by_name, pieces = parameters_by_name(model, names)
     bound: list[BoundTensor] = []
-    seen: set[int] = set()
-    frozen: list[str] = []
-    for name in anchor.fisher:
+    for name, param, piece in matched_parameters(anchor, list(anchor.fisher), model, names, _check_shape):
+        shape = tuple(piece.shape if piece else logical_shape(param))
+        fisher, sharded, held = _held_part(anchor.fisher, name, param, piece, math.prod(shape))
+        bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
+    return bound
+
+
+def _check_shape(anchor: FisherAnchor, name: str, param: torch.Tensor, piece: FlatPiece | None) -> None:
+    shape = tuple(piece.shape if piece else logical_shape(param))  # a 4-bit weight's own shape is packed
+    anchor_shape = tuple(fisher_shape(anchor.fisher, name))
+    if anchor_shape != shape:
+        raise AnchorMismatchError(
+            f"Anchor {anchor.name!r}: parameter {name!r} has shape {anchor_shape} in the anchor "
+            f"but {shape} in the model. Was the anchor computed for another model?"
+        )
+
+
+CheckShape = Callable[[FisherAnchor, str, torch.Tensor, "FlatPiece | None"], None]
+
+
+def matched_parameters(
+    anchor: FisherAnchor,
+    wanted: list[str],
+    model: torch.nn.Module,
+    names: Mapping[str, torch.Tensor] | None,
+    check: CheckShape,
+) -> list[tuple[str, torch.Tensor, FlatPiece | None]]:
+    """(name, parameter, its held flat piece or None) of every name in `wanted` (an anchor's parameter names, in
+    its order) that the model trains, each parameter once (a tied one under the first of its names); `check`
+    raises for a shape that does not fit. Frozen parameters never move: they are skipped, one log line says which.
+
+    Raises:
+        AnchorMismatchError: a name the model does not have (or `check`'s).
+    """
+    by_name, pieces = parameters_by_name(model, dict(names) if names else None)
+    matched, seen, frozen = [], set(), []
+    for name in wanted:
         param = by_name.get(name)
         if param is None:
             raise AnchorMismatchError(
@@ -83,24 +116,17 @@ def bind_anchor(
                 f"{next(iter(by_name), '<none>')!r}.)"
             )
         piece = pieces.get(id(param))
-        shape = tuple(piece.shape if piece else logical_shape(param))  # a 4-bit weight's own shape is packed
-        anchor_shape = tuple(fisher_shape(anchor.fisher, name))
-        if anchor_shape != shape:
-            raise AnchorMismatchError(
-                f"Anchor {anchor.name!r}: parameter {name!r} has shape {anchor_shape} in the anchor "
-                f"but {shape} in the model. Was the anchor computed for another model?"
-            )
+        check(anchor, name, param, piece)
         if not (piece.trainable if piece else param.requires_grad):
             frozen.append(name)
         elif id(param) not in seen:
             seen.add(id(param))
-            fisher, sharded, held = _held_part(anchor.fisher, name, param, piece, math.prod(shape))
-            bound.append(BoundTensor(name, param, store(fisher, param), sharded, held))
+            matched.append((name, param, piece))
     if frozen:
         log_on_main_process(
             logger.info, "Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0]
         )
-    return bound
+    return matched
 
 
 def parameters_by_name(

@@ -7,8 +7,10 @@ GPT-2's Conv1D stores W^T (in x out): the factors are those of W, and the bound 
 Layouts that hold arbitrary flat pieces (FSDP1, DeepSpeed ZeRO-3) cannot be rotated piecewise and are refused.
 """
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -20,7 +22,7 @@ from ..errors import AnchorMismatchError, CFPArgumentError
 from ..ops.kfac import KroneckerBasis
 from ..parallel.shards import dtensor_local_block
 from ..quantized import logical_shape
-from .binding import HeldRange, parameters_by_name
+from .binding import HeldRange, matched_parameters
 
 
 @dataclass
@@ -46,34 +48,30 @@ def bind_kronecker(
         AnchorMismatchError: a weight the model does not have, or factors whose sizes do not fit its shape.
         CFPArgumentError: a weight held as a flat piece (FSDP1, DeepSpeed ZeRO-3), or sharded along its columns.
     """
-    by_name, pieces = parameters_by_name(model, dict(names) if names else None)
     conv1d = {id(m.weight) for m in model.modules() if isinstance(m, Conv1D)}
-    bound = []
-    for name in anchor.kfac:
-        param = by_name.get(name)
-        if param is None:
-            raise AnchorMismatchError(
-                f"Anchor {anchor.name!r} has Kronecker factors for {name!r}, which the model does not have. Was the "
-                "anchor computed for another model?"
-            )
-        if id(param) in pieces:
-            raise CFPArgumentError(
-                f"Anchor {anchor.name!r} is Kronecker-factored, and {name!r} is held as a flat piece (FSDP1 or "
-                "DeepSpeed ZeRO-3): a rotation needs whole rows. Train with DDP or FSDP2 (fully_shard), or use a "
-                "diagonal anchor."
-            )
-        transposed = id(param) in conv1d
-        out_dim, in_dim = weight_shape(anchor.kfac, name)
-        shape = tuple(logical_shape(param))
-        if shape != ((in_dim, out_dim) if transposed else (out_dim, in_dim)):
-            raise AnchorMismatchError(
-                f"Anchor {anchor.name!r}: the Kronecker factors of {name!r} are for a {out_dim} x {in_dim} weight "
-                f"(G {out_dim} x {out_dim}, A {in_dim} x {in_dim}), but the model's is {shape}. Was the anchor "
-                "computed for another model?"
-            )
-        if param.requires_grad:
-            bound.append(_bound(anchor, name, param, transposed, out_dim * in_dim))
-    return bound
+    matched = matched_parameters(anchor, list(anchor.kfac), model, names, partial(_check_factors, conv1d=conv1d))
+    return [
+        _bound(anchor, name, param, id(param) in conv1d, math.prod(weight_shape(anchor.kfac, name)))
+        for name, param, _ in matched
+    ]
+
+
+def _check_factors(anchor: FisherAnchor, name: str, param: torch.Tensor, piece, conv1d: set[int]) -> None:
+    """A weight held as a flat piece cannot be rotated; factors must fit the weight (W^T for a Conv1D)."""
+    if piece is not None:
+        raise CFPArgumentError(
+            f"Anchor {anchor.name!r} is Kronecker-factored, and {name!r} is held as a flat piece (FSDP1 or "
+            "DeepSpeed ZeRO-3): a rotation needs whole rows. Train with DDP or FSDP2 (fully_shard), or use a "
+            "diagonal anchor."
+        )
+    out_dim, in_dim = weight_shape(anchor.kfac, name)
+    shape = tuple(logical_shape(param))
+    if shape != ((in_dim, out_dim) if id(param) in conv1d else (out_dim, in_dim)):
+        raise AnchorMismatchError(
+            f"Anchor {anchor.name!r}: the Kronecker factors of {name!r} are for a {out_dim} x {in_dim} weight "
+            f"(G {out_dim} x {out_dim}, A {in_dim} x {in_dim}), but the model's is {shape}. Was the anchor "
+            "computed for another model?"
+        )
 
 
 def _bound(anchor: FisherAnchor, name: str, param: torch.Tensor, transposed: bool, numel: int) -> BoundKronecker:
