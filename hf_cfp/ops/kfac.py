@@ -69,29 +69,41 @@ class KroneckerBasis:
 
     def placed(self, device: torch.device | str, vectors_dtype: torch.dtype = torch.float32) -> "KroneckerBasis":
         """This basis on `device`, eigenvectors in `vectors_dtype`, eigenvalues and tails float32, contiguous."""
-
-        def move(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-            return None if t is None else t.to(device, dtype).contiguous()
-
-        return KroneckerBasis(
-            *(move(t, vectors_dtype if i in (0, 2) else torch.float32) for i, t in enumerate(self._parts()))
+        return self._map(
+            lambda t: t.to(device, vectors_dtype).contiguous(), lambda t: t.to(device, torch.float32).contiguous()
         )
 
     @staticmethod
     def stacked(bases: Sequence["KroneckerBasis"]) -> "KroneckerBasis":
         """The bases of n weights of one shape as one basis with a leading batch dimension (tails of 0 for those
         without one, when some has one)."""
-        tailed = any(b.tailed for b in bases)
-        columns = zip(*(b._parts(zero_tails=tailed) for b in bases), strict=True)
-        return KroneckerBasis(*(None if parts[0] is None else torch.stack(parts) for parts in columns))
+        tails = [b.tails() for b in bases] if any(b.tailed for b in bases) else None
+        return KroneckerBasis(
+            torch.stack([b.a_vectors for b in bases]),
+            torch.stack([b.a_values for b in bases]),
+            torch.stack([b.g_vectors for b in bases]),
+            torch.stack([b.g_values for b in bases]),
+            None if tails is None else torch.stack([a for a, _ in tails]),
+            None if tails is None else torch.stack([g for _, g in tails]),
+        )
 
     def __getitem__(self, i: int) -> "KroneckerBasis":
         """The i-th basis of a stacked one (views)."""
-        return KroneckerBasis(*(None if t is None else t[i] for t in self._parts()))
+        return self._map(lambda t: t[i], lambda t: t[i])
 
-    def _parts(self, zero_tails: bool = False) -> tuple:
-        tails = self.tails() if zero_tails else (self.a_tail, self.g_tail)
-        return (self.a_vectors, self.a_values, self.g_vectors, self.g_values, *tails)
+    def _map(
+        self, vectors: Callable[[torch.Tensor], torch.Tensor], values: Callable[[torch.Tensor], torch.Tensor]
+    ) -> "KroneckerBasis":
+        """The basis with `vectors` applied to U_A and U_G, `values` to the eigenvalues and the tails."""
+        a_tail, g_tail = (None if t is None else values(t) for t in (self.a_tail, self.g_tail))
+        return KroneckerBasis(
+            vectors(self.a_vectors),
+            values(self.a_values),
+            vectors(self.g_vectors),
+            values(self.g_values),
+            a_tail,
+            g_tail,
+        )
 
     @property
     def tailed(self) -> bool:

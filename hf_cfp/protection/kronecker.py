@@ -68,8 +68,13 @@ class _Factored:
         kinds: dict[tuple, list[TrackedTensor]] = {}
         for t in tensors:  # keyed by the full shape: every process forms the same batches (their collectives match)
             basis, local = t.kfac[anchor], t.oriented(t.local())
-            key = (tuple(t.param.shape), tuple(basis.a_vectors.shape), basis.g_vectors.shape[1], local.dtype)
-            key = (*key, basis.tailed)
+            key = (
+                tuple(t.param.shape),
+                tuple(basis.a_vectors.shape),
+                basis.g_vectors.shape[1],
+                local.dtype,
+                basis.tailed,
+            )
             kinds.setdefault((*key, local.device), []).append(t)
         self.batches = [
             _Batch(anchor, same[i : i + BATCH]) for same in kinds.values() for i in range(0, len(same), BATCH)
@@ -231,7 +236,7 @@ class KroneckerTensors:
 class _Strengths(Sequence[torch.Tensor]):
     """lam e of every coordinate of each (basis, out x in shape, lam), computed when read."""
 
-    def __init__(self, entries: list[tuple[KroneckerBasis, tuple[int, int], float]]):
+    def __init__(self, entries: list[tuple[KroneckerBasis, tuple[int, ...], float]]):
         self.entries = entries
 
     def __len__(self) -> int:
