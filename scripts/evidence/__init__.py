@@ -3,6 +3,18 @@
 with scripts/ on sys.path (a script run as `python scripts/<name>.py` has it; so do the tests, through pytest's
 `pythonpath`). Needs the `trl` extra (TRL's DPO trainer, datasets)."""
 
-from .controls import KLPenaltySFTTrainer, StepOnlyCallback, isotropic_anchor, truncated_anchor
+from .controls import (
+    KLPenaltySFTTrainer,
+    StepOnlyCallback,
+    isotropic_anchor,
+    share_truncated_anchor,
+    truncated_anchor,
+)
 
-__all__ = ["KLPenaltySFTTrainer", "StepOnlyCallback", "isotropic_anchor", "truncated_anchor"]
+__all__ = [
+    "KLPenaltySFTTrainer",
+    "StepOnlyCallback",
+    "isotropic_anchor",
+    "share_truncated_anchor",
+    "truncated_anchor",
+]

@@ -1,5 +1,6 @@
 """The anchors of the evidence experiment by name (`Plan.anchor_specs`): estimated once and saved under
-`<output_dir>/anchors/<name>`, pooled from saved parts, or derived (isotropic, truncated) when loaded.
+`<output_dir>/anchors/<name>`, pooled from saved parts, or derived (isotropic; truncated to a rank or a trace
+share, with a zero or a mean tail) when loaded.
 
 A full-rank K-FAC anchor of the embedded model holds about 1.2 GB of eigenbases (3 floats per covered
 parameter), so `AnchorStore` keeps a K-FAC anchor in memory only while an arm uses it (`for_arm`), and pools
@@ -15,7 +16,7 @@ from hf_cfp.anchor import FisherAnchor
 from hf_cfp.fisher import estimate_fisher
 from hf_cfp.loading.prompts import calibration_prompts
 
-from .controls import isotropic_anchor, truncated_anchor
+from .controls import isotropic_anchor, share_truncated_anchor, truncated_anchor
 from .plan import DOMAINS, AnchorSpec, Plan
 
 SAVED = ("estimated", "pooled")  # the kinds made once and saved; the others are derived when loaded
@@ -54,7 +55,10 @@ class AnchorStore:
         if spec.kind == "isotropic":
             return isotropic_anchor(self.fetch(str(spec.source)), name)
         if spec.kind == "truncated":
-            return truncated_anchor(self.fetch(str(spec.source)), int(spec.rank or 0), name)
+            source = self.fetch(str(spec.source))
+            if spec.share is not None:
+                return share_truncated_anchor(source, spec.share, name)
+            return truncated_anchor(source, int(spec.rank or 0), name, spec.tail)
         if self.is_saved(name):
             return FisherAnchor.from_pretrained(str(self.directory / name))
         anchor = self._estimate(name, spec) if spec.kind == "estimated" else self._pool(name, spec)

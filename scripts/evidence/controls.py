@@ -2,7 +2,9 @@
 
 - `isotropic_anchor`: CFP with F replaced by its mean, F_iso_i = (1/n) sum_j F_j (same total mass, no
   shape): run it through `CFPCallback` to ask whether the Fisher's shape matters, not only its scale.
-- `truncated_anchor`: a K-FAC anchor cut to the top r eigenpairs of each factor (the rank sweep).
+- `truncated_anchor`: a K-FAC anchor cut to the top r eigenpairs of each factor, the rest free (zero tail) or at
+  their mean (mean tail); `share_truncated_anchor`: per factor the fewest eigenpairs holding a share of its trace,
+  mean tail (the rank and tail sweep); `floats_per_param`: what K-FAC bases store per factored parameter.
 - `StepOnlyCallback`: the step-only variant, which preconditions the latest step instead of the path,
   theta_{t+1} = theta_t + d_t / (1 + lam F).
 - `KLPenaltySFTTrainer`: supervised fine-tuning with a token-level KL penalty to a frozen reference model,
@@ -10,6 +12,8 @@
 """
 
 from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,6 +22,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hf_cfp.anchor import FisherAnchor, check_fingerprint
+from hf_cfp.anchor.kfac import truncate_basis, with_tails
 from hf_cfp.errors import CFPArgumentError, CFPError
 from hf_cfp.integrations.strength import check_lam
 from hf_cfp.ops import proximal_pull_
@@ -45,26 +50,78 @@ def isotropic_anchor(anchor: FisherAnchor, name: str = "isotropic") -> FisherAnc
     return FisherAnchor(fisher, name=name, metadata=metadata)
 
 
-def truncated_anchor(anchor: FisherAnchor, rank: int, name: str) -> FisherAnchor:
-    """K-FAC `anchor` with each factor's top `rank` eigenpairs only (the stored bases are largest first):
+def truncated_anchor(anchor: FisherAnchor, rank: int, name: str, tail: str = "zero") -> FisherAnchor:
+    """K-FAC `anchor` with each factor's top `rank` eigenpairs (`hf_cfp.anchor.kfac.truncate_basis`; the stored
+    bases are largest first) and `tail` for the directions left out:
 
-        A_r = Q_A[:, :r] diag(alpha[:r]) Q_A[:, :r]^T,   G_r = Q_G[:, :r] diag(gamma[:r]) Q_G[:, :r]^T,
+        A_r = U_A diag(alpha[:r]) U_A^T + rho_A (I - U_A U_A^T),   the same for G,
 
-    the diagonal F of its other parameters unchanged. CFP with it pulls on the top r x r block of each weight's
-    rotated coordinates alone (`hf_cfp.ops.kfac`). The bases are views of `anchor`'s (no copy). The metadata is
-    copied with `kfac_rank`, `derived_from` (the anchor's name) and `transform` added.
+    rho = 0 with `tail="zero"` (the rest free: CFP pulls on the top r x r block of each weight's rotated coordinates
+    alone), rho = (tr A - sum alpha[:r]) / (in - r) with `tail="mean"` (trace-preserving; CFP's exact four-block
+    map, `hf_cfp.ops.kfac`). A zero tail is kept as no tail at all: the same quadratic and correction, on the
+    two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
+    diagonal F of its other parameters is unchanged. The metadata is copied with `kfac_rank`, `kfac_tail`,
+    `kfac_floats_per_param`, `derived_from` (the anchor's name) and `transform` added.
     """
-    bases = {
-        key: KroneckerBasis(b.a_vectors[:, :rank], b.a_values[:rank], b.g_vectors[:, :rank], b.g_values[:rank])
-        for key, b in anchor.kfac.items()
-    }
-    metadata = {
-        **anchor.metadata,
-        "kfac_rank": rank,
+    bases = {key: truncate_basis(b, rank, tail) for key, b in anchor.kfac.items()}
+    if tail == "zero":
+        bases = {key: replace(b, a_tail=None, g_tail=None) for key, b in bases.items()}
+    rest = "the rest free" if tail == "zero" else "the rest at their mean"
+    transform = f"top {rank} eigenpairs per factor, {rest}"
+    metadata = {**anchor.metadata, "kfac_rank": rank, "kfac_tail": tail}
+    return _derived(anchor, name, bases, metadata, transform)
+
+
+def share_rank(values: torch.Tensor, tail: torch.Tensor, dim: int, share: float) -> int:
+    """The fewest of a factor's eigenvalues `values` (largest first; the `dim - len(values)` others at `tail`) whose
+    sum holds >= `share` of its trace (float64), at least 1, at most len(values)."""
+    kept = values.double().cumsum(0)
+    trace = float(kept[-1]) + float(tail) * (dim - values.numel())
+    short = int((kept < share * trace).sum())  # the eigenpairs before the share is reached
+    return max(1, min(short + 1, values.numel()))
+
+
+def share_truncated_anchor(anchor: FisherAnchor, share: float, name: str) -> FisherAnchor:
+    """K-FAC `anchor` with each factor cut to the fewest top eigenpairs whose eigenvalues hold >= `share` (0 < share
+    <= 1) of that factor's trace (`share_rank`), the rest at their mean (`truncated_anchor`'s mean tail): A and G
+    of one weight, and different weights, keep different ranks. The metadata is copied with `kfac_share`,
+    `kfac_tail` ("mean"), `kfac_factor_ranks` ({weight: [rank of A, rank of G]}), `kfac_floats_per_param`,
+    `derived_from` and `transform` added."""
+    if not 0 < share <= 1:
+        raise ValueError(f"share={share!r}: a fraction of the trace in (0, 1]")
+    bases, ranks = {}, {}
+    for key, b in anchor.kfac.items():
+        rho_a, rho_g = b.tails()
+        r_a = share_rank(b.a_values, rho_a, b.a_vectors.shape[-2], share)
+        r_g = share_rank(b.g_values, rho_g, b.g_vectors.shape[-2], share)
+        a, g = truncate_basis(b, r_a, "mean"), truncate_basis(b, r_g, "mean")
+        bases[key] = with_tails(a.a_values, a.a_vectors, a.a_tail, g.g_values, g.g_vectors, g.g_tail)
+        ranks[key] = [r_a, r_g]
+    transform = f"per factor the fewest eigenpairs holding >= {share:.0%} of its trace, the rest at their mean"
+    metadata = {**anchor.metadata, "kfac_share": share, "kfac_tail": "mean", "kfac_factor_ranks": ranks}
+    return _derived(anchor, name, bases, metadata, transform)
+
+
+def _derived(anchor: FisherAnchor, name: str, bases: dict, metadata: dict, transform: str) -> FisherAnchor:
+    """The anchor of `bases` and `anchor`'s diagonal F, its metadata with what was done added."""
+    metadata |= {
+        "kfac_floats_per_param": floats_per_param(bases),
         "derived_from": anchor.name,
-        "transform": f"top {rank} eigenpairs per factor",
+        "transform": transform,
     }
     return FisherAnchor(dict(anchor.fisher), name=name, metadata=metadata, kfac=bases)
+
+
+def floats_per_param(bases: Mapping[str, KroneckerBasis]) -> float:
+    """The floats K-FAC bases (`FisherAnchor.kfac`) store, eigenvectors, eigenvalues and tails, per parameter of
+    the weights they factor (out x in each; the anchor's diagonal parameters left out): (in^2 + out^2 + in + out)
+    / (in out) at full rank (about 3 for an MLP weight), about (in + out) r / (in out) at rank r."""
+    floats = params = 0
+    for b in bases.values():
+        parts = (b.a_vectors, b.a_values, b.g_vectors, b.g_values, b.a_tail, b.g_tail)
+        floats += sum(t.numel() for t in parts if t is not None)
+        params += b.a_vectors.shape[-2] * b.g_vectors.shape[-2]
+    return floats / params if params else 0.0
 
 
 class StepOnlyCallback(TrainerCallback):

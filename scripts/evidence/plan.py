@@ -33,8 +33,29 @@ the last step):
 - an on-policy RL optimizer, TRL's RLOO, `rloo-<reward>` (`rl_optimizer`), on the pirate-style prompts with one
   of `RL_REWARDS` (`rewards.py`): unregularized (beta 0), `kl` (RLOO's own KL penalty, strength = beta),
   `isotropic`, `cfp` and `kfac` with the math anchors at `table_strength`; first seed.
+
+Added with the K-FAC tails (issue 30), after every arm above (`truncation_arms`, `default_arms`), the rank and tail
+sweep of CFP-KFAC [math]. A truncated label is `<domain>_<letter><number>` (`truncation`), the anchor
+`<domain>_kfac_<letter><number>` derived from the full `<domain>_kfac` when loaded (`controls`), lam = c / p99 of
+the FULL anchor (`kfac_lam_anchor`):
+
+- `math_r<r>`: the top r eigenpairs of each factor, the rest free (zero tail): the issue-25 truncation, unchanged;
+- `math_t<r>`: the top r eigenpairs of each factor and the rest at their mean (mean tail, trace-preserving);
+- `math_s<pct>`: per factor, the fewest eigenpairs whose eigenvalues hold >= pct% of the factor's trace, the rest
+  at their mean (mean tail): a rule that transfers to wider layers, where an absolute rank may not.
+
+First seed, SFT and DPO, every `kfac_strengths` (the strengths of the full-rank `math`), for the ranks
+`kfac_tail_ranks` (both tails) and the shares `kfac_shares`, in this order (an interrupted run keeps what came
+first): the mean-tail ranks at `table_strength`, the zero-tail ranks there (those of `kfac_ranks` ran already),
+the shares there; then the other strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within a
+block: strength, then truncation (ranks ascending), then optimizer, so that each finished point has both.
+
+`kfac_default` (None by default: the sweep decides it) names the chosen truncation, e.g. `math_t64`: CFP-KFAC with
+that truncation of the math, code and safety K-FAC anchors (`math_t64`, `code_t64`, `safety_t64`) at
+`table_strength` on every seed, SFT and DPO, last; they are table rows (`is_table_row`), without greedy scores.
 """
 
+import re
 from dataclasses import dataclass, field
 
 DOMAINS = ("math", "code", "safety")
@@ -55,18 +76,44 @@ def rl_reward(optimizer: str) -> str | None:
     return optimizer[len(RL_PREFIX) :] if optimizer.startswith(RL_PREFIX) else None
 
 
+# the letter of a truncated K-FAC label -> the tail of what it leaves out (module docstring)
+TRUNCATION_TAILS = {"r": "zero", "t": "mean", "s": "mean"}
+
+
+def truncation(label: str) -> tuple[str, str, int] | None:
+    """(domain, letter, number) of a truncated K-FAC label: `math_t64` -> ("math", "t", 64), `code_s90` ->
+    ("code", "s", 90); None for any other label (`math`, `math_n16`)."""
+    domain, _, variant = label.partition("_")
+    found = re.fullmatch(r"([rts])([0-9]+)", variant)
+    return (domain, found[1], int(found[2])) if found else None
+
+
 def kfac_anchor_name(label: str) -> str:
     """The K-FAC anchor a `kfac` arm's label stands for: `math` -> `math_kfac`, `math_r8` -> `math_kfac_r8`,
-    `math_n16` -> `math_kfac_n16` (the names under `<output_dir>/anchors/` and in the metric keys)."""
+    `math_t64` -> `math_kfac_t64`, `math_n16` -> `math_kfac_n16` (the names under `<output_dir>/anchors/` and in
+    the metric keys)."""
     domain, _, variant = label.partition("_")
     return f"{domain}_kfac" + (f"_{variant}" if variant else "")
 
 
 def kfac_lam_anchor(label: str) -> str:
-    """The anchor whose p99 sets lam = c / p99 for a `kfac` arm: its own, except for a truncation `math_r<r>`,
-    which takes the full anchor's (the same lam on fewer directions)."""
-    domain, _, variant = label.partition("_")
-    return kfac_anchor_name(domain if variant.startswith("r") else label)
+    """The anchor whose p99 sets lam = c / p99 for a `kfac` arm: its own, except for a truncation (`math_r<r>`,
+    `math_t<r>`, `math_s<pct>`, `code_t<r>`...), which takes its full anchor's (the same lam on a cut geometry)."""
+    cut = truncation(label)
+    return kfac_anchor_name(cut[0] if cut else label)
+
+
+def truncation_spec(label: str) -> "AnchorSpec":
+    """How the anchor of a truncated label is made from its full K-FAC anchor: `math_r8` -> rank 8, zero tail;
+    `math_t8` -> rank 8, mean tail; `math_s90` -> the 90% trace share, mean tail."""
+    cut = truncation(label)
+    if cut is None:
+        raise ValueError(f"{label!r} is not a truncated K-FAC label (<domain>_r<r>, _t<r> or _s<pct>)")
+    domain, letter, number = cut
+    source, tail = kfac_anchor_name(domain), TRUNCATION_TAILS[letter]
+    if letter == "s":
+        return AnchorSpec("truncated", domain, source=source, share=number / 100, tail=tail)
+    return AnchorSpec("truncated", domain, source=source, rank=number, tail=tail)
 
 
 @dataclass(frozen=True)
@@ -99,7 +146,9 @@ class AnchorSpec:
     - `estimated`: `estimate_fisher` on `sequences` calibration sequences of `domain`, `estimator`, `seed`,
       `structure` ("diagonal" or "kfac"), saved under `<output_dir>/anchors/<name>`;
     - `pooled`: the anchor of all the `parts`' sequences (`FisherAnchor.combine` of equally many sequences each);
-    - `truncated`: `source` (K-FAC) with the top `rank` eigenpairs of each factor;
+    - `truncated`: `source` (K-FAC) with the top `rank` eigenpairs of each factor, or per factor the fewest
+      holding `share` (a fraction) of its trace, and `tail` ("zero" or "mean") for the rest
+      (`controls.truncated_anchor`, `controls.share_truncated_anchor`);
     - `isotropic`: `source` with F replaced by its mean (`controls.isotropic_anchor`).
     """
 
@@ -112,6 +161,8 @@ class AnchorSpec:
     parts: tuple[str, ...] = ()
     source: str | None = None
     rank: int | None = None
+    share: float | None = None
+    tail: str = "zero"
 
 
 @dataclass(frozen=True)
@@ -144,6 +195,11 @@ class Plan:
     kfac_strengths: tuple[float, ...] = ()
     kfac_ranks: tuple[int, ...] = ()
     kfac_sizes: tuple[int, ...] = ()
+    # the rank and tail sweep (issue 30; none by default), at every kfac_strengths: ranks with both tails
+    # (`math_t<r>`, `math_r<r>`), trace shares in percent (`math_s<pct>`); the chosen truncation's table rows
+    kfac_tail_ranks: tuple[int, ...] = ()
+    kfac_shares: tuple[int, ...] = ()
+    kfac_default: str | None = None
     # RL arms (none by default): RLOO on the pirate-style prompts, one optimizer per reward
     rl_rewards: tuple[str, ...] = ()
     rl_kl_betas: tuple[float, ...] = ()
@@ -152,6 +208,12 @@ class Plan:
     rl_generations: int = 4  # completions per prompt (the leave-one-out group)
     rl_completion_tokens: int = 24
     rl_eval_samples: int = 2  # completions per training prompt for the reward of a trained model (seed 0)
+
+    def __post_init__(self) -> None:
+        if self.kfac_default is not None and truncation(self.kfac_default) is None:
+            raise ValueError(f"kfac_default={self.kfac_default!r}: a truncated label such as 'math_t64' or 'math_s90'")
+        if any(not 0 < p <= 100 for p in self.kfac_shares):
+            raise ValueError(f"kfac_shares={self.kfac_shares!r}: percentages in (0, 100]")
 
     def quality_anchors(self) -> dict[str, tuple[int, str]]:
         """{name: (num_sequences, estimator)} of the extra math anchors of the anchor-quality sweep."""
@@ -163,8 +225,9 @@ class Plan:
     def anchor_specs(self) -> dict[str, AnchorSpec]:
         """Every anchor an arm of the plan can need, by name: the math, code and safety anchors, diagonal
         (`<domain>`) and K-FAC (`<domain>_kfac`), `anchor_sequences` each, seed 0; the quality sweep's diagonal
-        math anchors (`quality_anchors`); the K-FAC size sweep's (`math_kfac_n<n>`) and rank sweep's
-        (`math_kfac_r<r>`) math anchors; the parts pooled into them; and `isotropic` (of the diagonal math)."""
+        math anchors (`quality_anchors`); the K-FAC size sweep's (`math_kfac_n<n>`) math anchors and the parts
+        pooled into them; the truncated K-FAC anchors (`truncation_labels`: `math_kfac_r<r>`, `math_kfac_t<r>`,
+        `math_kfac_s<pct>`, the default's three); and `isotropic` (of the diagonal math)."""
         n = self.anchor_sequences
         specs = {d: AnchorSpec("estimated", d, n) for d in DOMAINS}
         specs |= {f"{d}_kfac": AnchorSpec("estimated", d, n, structure="kfac") for d in DOMAINS}
@@ -172,11 +235,20 @@ class Plan:
             specs |= self._sized("math", name, size, estimator)
         for size in self.kfac_sizes:
             specs |= self._sized(KFAC_MONITOR, f"{KFAC_MONITOR}_n{size}", size, "sequence", "kfac")
-        specs |= {
-            f"{KFAC_MONITOR}_r{r}": AnchorSpec("truncated", source=KFAC_MONITOR, rank=r) for r in self.kfac_ranks
-        }
+        specs |= {kfac_anchor_name(label): truncation_spec(label) for label in self.truncation_labels()}
         specs["isotropic"] = AnchorSpec("isotropic", source="math")
         return specs
+
+    def truncation_labels(self) -> list[str]:
+        """The truncated labels the plan's arms use: `math_r<r>` of `kfac_ranks`, `math_t<r>` and `math_r<r>` of
+        `kfac_tail_ranks`, `math_s<pct>` of `kfac_shares`, and the default's `<domain>_<variant>`."""
+        labels = [f"math_r{r}" for r in self.kfac_ranks]
+        labels += [f"math_{letter}{r}" for r in self.kfac_tail_ranks for letter in "tr"]
+        labels += [f"math_s{pct}" for pct in self.kfac_shares]
+        if self.kfac_default:
+            variant = self.kfac_default.partition("_")[2]
+            labels += [f"{domain}_{variant}" for domain in DOMAINS]
+        return list(dict.fromkeys(labels))
 
     def _sized(self, first: str, name: str, size: int, estimator: str, structure: str = "diagonal") -> dict:
         """{name: spec} of a math anchor of `size` sequences, with its parts: a multiple K of `anchor_sequences`
@@ -220,13 +292,21 @@ class Plan:
 
     def is_table_row(self, arm: Arm | dict) -> bool:
         """A row of the tables: the unregularized run, the first KL strength, and the other methods at
-        `table_strength` with one of the three domain anchors. `arm` is an `Arm` or its dict."""
+        `table_strength` with one of the three domain anchors (for CFP-KFAC also the `kfac_default` truncation of
+        one). `arm` is an `Arm` or its dict."""
         arm = Arm(**arm) if isinstance(arm, dict) else arm
         if arm.method == "unregularized":
             return True
         if arm.method == "kl":
             return arm.strength == self.kl_betas(arm.optimizer)[0]
-        return arm.strength == self.table_strength and arm.anchor in DOMAINS
+        return arm.strength == self.table_strength and (arm.anchor in DOMAINS or self.is_default(arm))
+
+    def is_default(self, arm: Arm) -> bool:
+        """A CFP-KFAC arm protected by the `kfac_default` truncation of a domain anchor (any strength, any seed)."""
+        if arm.method != "kfac" or not self.kfac_default or not arm.anchor:
+            return False
+        domain, _, variant = arm.anchor.partition("_")
+        return domain in DOMAINS and variant == self.kfac_default.partition("_")[2]
 
     def measures_greedy(self, arm: Arm) -> bool:
         """Greedy scores (math exact match, refusal rate: the costliest measurements) on the first seed's
@@ -242,9 +322,58 @@ class Plan:
 
     def arms(self) -> list[Arm]:
         """`diagonal_arms`, then the K-FAC arms of the first seed, the RL arms, and the K-FAC table rows of the
-        other seeds (`kfac_arms`, `rl_arms`): an interrupted run has the frontier before the spread."""
+        other seeds (`kfac_arms`, `rl_arms`): an interrupted run has the frontier before the spread. Then the rank
+        and tail sweep (`truncation_arms`) and the default truncation's table rows (`default_arms`); an arm planned
+        twice (the sweep's `math_r<r>` of `kfac_ranks`, the default's first-seed math rows) runs where it comes
+        first."""
         first, *others = self.seeds
-        return self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
+        arms = self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
+        arms += self.truncation_arms() + self.default_arms()
+        first_of = {}
+        for arm in arms:
+            first_of.setdefault(arm.key, arm)
+        return list(first_of.values())
+
+    def sweep_strengths(self) -> tuple[float, ...]:
+        """The strengths of the K-FAC sweeps: `table_strength` first, then the other `kfac_strengths` in order."""
+        c = self.table_strength
+        return (c, *(s for s in self.kfac_strengths if s != c)) if self.kfac_strengths else ()
+
+    def truncation_arms(self) -> list[Arm]:
+        """The rank and tail sweep of CFP-KFAC [math] on the first seed (module docstring): at `table_strength`
+        the mean-tail ranks, the zero-tail ranks and the shares, then at the other strengths the same three
+        groups; per group: strength, truncation, optimizer."""
+        strengths = self.sweep_strengths()
+        if not strengths:
+            return []
+        groups = (
+            [f"math_t{r}" for r in self.kfac_tail_ranks],
+            [f"math_r{r}" for r in self.kfac_tail_ranks],
+            [f"math_s{pct}" for pct in self.kfac_shares],
+        )
+        seed, arms = self.seeds[0], []
+        for chosen in (strengths[:1], strengths[1:]):
+            for labels in groups:
+                arms += [
+                    Arm(optimizer, "kfac", c, seed, label)
+                    for c in chosen
+                    for label in labels
+                    for optimizer in self.optimizers
+                ]
+        return arms
+
+    def default_arms(self) -> list[Arm]:
+        """With `kfac_default` (e.g. `math_t64`): CFP-KFAC with that truncation of the math, code and safety K-FAC
+        anchors at `table_strength`, per seed and optimizer (SFT, DPO)."""
+        if not self.kfac_default or not self.kfac_strengths:
+            return []
+        variant = self.kfac_default.partition("_")[2]
+        return [
+            Arm(optimizer, "kfac", self.table_strength, seed, f"{domain}_{variant}")
+            for seed in self.seeds
+            for optimizer in self.optimizers
+            for domain in DOMAINS
+        ]
 
     def kfac_arms(self, seeds: tuple[int, ...]) -> list[Arm]:
         """Per seed and optimizer (SFT, DPO): CFP-KFAC with the math, code and safety K-FAC anchors at
@@ -319,6 +448,9 @@ TINY = Plan(
     kfac_strengths=(1.0, 10.0),
     kfac_ranks=(2, 8),
     kfac_sizes=(4, 16, 32),
+    kfac_tail_ranks=(2,),
+    kfac_shares=(80,),
+    kfac_default="math_t2",
     rl_rewards=RL_REWARDS,
     rl_kl_betas=(0.5,),
     rl_learning_rate=3e-3,
@@ -351,6 +483,8 @@ EMBEDDED = Plan(
     kfac_strengths=(1.0, 10.0, 100.0),
     kfac_ranks=(8, 64),
     kfac_sizes=(16, 64, 128),
+    kfac_tail_ranks=(8, 16, 32, 64, 128, 256),
+    kfac_shares=(50, 80, 90, 95),
     rl_rewards=RL_REWARDS,
     rl_kl_betas=(0.05,),
     rl_learning_rate=3e-4,

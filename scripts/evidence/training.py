@@ -27,7 +27,7 @@ from hf_cfp.loading.examples import sft_examples
 from hf_cfp.loading.prompts import pirate_preference_triples, pirate_style_pairs
 from hf_cfp.names import PREDICTED_KL, SENSITIVE_DRIFT, TOTAL_DRIFT
 
-from .controls import KLPenaltySFTTrainer, StepOnlyCallback
+from .controls import KLPenaltySFTTrainer, StepOnlyCallback, floats_per_param
 from .plan import DOMAINS, KFAC_MONITOR, Arm, Plan, is_new, kfac_anchor_name, kfac_lam_anchor, rl_reward
 from .rewards import REWARDS
 
@@ -156,7 +156,9 @@ def _rl_trainer(arm, model, base_model, tokenizer, plan, callbacks, output_dir) 
 
 def train_arm(arm: Arm, base_model, tokenizer, anchors: dict[str, FisherAnchor], plan: Plan, output_dir: Path):
     """(trained copy of `base_model`, {"<domain>/dtfd": DtFD at the last step, "loss": last logged loss,
-    "total_drift"; new arms also "math/predicted_kl" and "math/kfac_predicted_kl"})."""
+    "total_drift"; new arms also "math/predicted_kl" and "math/kfac_predicted_kl"; CFP-KFAC arms also
+    "kfac/floats_per_param" of the protecting anchor and "kfac/full_floats_per_param" of the full anchor its lam
+    comes from (`controls.floats_per_param`; equal at full rank)})."""
     model = copy.deepcopy(base_model).train()
     callbacks = arm_callbacks(arm, anchors)
     build = {"sft": _sft_trainer, "dpo": _dpo_trainer}.get(arm.optimizer, _rl_trainer)
@@ -168,4 +170,8 @@ def train_arm(arm: Arm, base_model, tokenizer, anchors: dict[str, FisherAnchor],
     if is_new(arm):
         drift["math/predicted_kl"] = last[PREDICTED_KL.key("math")]
         drift["math/kfac_predicted_kl"] = last[PREDICTED_KL.key(KFAC_MONITOR)]
+    if arm.method == "kfac":  # what the protecting anchor stores, and the full anchor it may be cut from
+        assert arm.anchor is not None, arm
+        drift["kfac/floats_per_param"] = floats_per_param(anchors[kfac_anchor_name(arm.anchor)].kfac)
+        drift["kfac/full_floats_per_param"] = floats_per_param(anchors[kfac_lam_anchor(arm.anchor)].kfac)
     return model, {**drift, "loss": last.get("loss", float("nan")), "total_drift": last[TOTAL_DRIFT.key()]}

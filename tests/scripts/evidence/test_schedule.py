@@ -36,7 +36,7 @@ def plain(done: dict, optimizer: str) -> float:
 def test_arm_priors_add_the_kfac_costs_to_the_optimizers_plain_median():
     done = committed()
     seconds = arm_seconds(EMBEDDED, done, COSTS)
-    assert len(seconds) == 36 and not set(seconds) & set(done)
+    assert len(seconds) == 36 + 92 and not set(seconds) & set(done)  # the issue-25 arms and the rank and tail sweep
     steps, sft, dpo = EMBEDDED.steps, plain(done, "sft"), plain(done, "dpo")
     # full-rank protection, binding math_kfac (protecting and monitor), greedy scores
     assert seconds["sft/kfac[math]@1/seed0"] == sft + steps * COSTS.kfac_step + COSTS.kfac_anchor + COSTS.greedy
@@ -69,8 +69,31 @@ def test_anchor_costs_and_the_listing(tmp_path):
     assert costs["math_kfac_n64"] == COSTS.kfac_decomposition  # one pairwise mean
     assert costs["math_kfac_n128"] == 2 * COSTS.kfac_decomposition  # its second half and the whole
     assert "math_kfac_r8" not in costs  # derived when loaded
+    assert "math_kfac_t8" not in costs and "math_kfac_s90" not in costs
     text = remaining(EMBEDDED, tmp_path, committed(), COSTS)
-    assert text.startswith(f"36 arms to run in {tmp_path} (44 done):")
+    assert text.startswith(f"128 arms to run in {tmp_path} (44 done):")
     assert "12 anchors to make first:" in text and text.splitlines()[-1].startswith("references ~120 s; total ~")
+    # the whole committed run: the rank and tail sweep is left (92 arms), needing no anchor but the full ones
     finished = remaining(EMBEDDED, tmp_path, committed(whole=True), COSTS)
-    assert finished.startswith(f"0 arms to run in {tmp_path} (80 done):")
+    assert finished.startswith(f"92 arms to run in {tmp_path} (80 done):")
+
+
+def test_truncations_cost_by_tail_a_mean_tail_twice_the_correction_of_a_zero_one():
+    assert COSTS.kfac_tailed_step == 2 * COSTS.kfac_truncated_step
+    done = committed()  # no K-FAC row finished: the priors
+    seconds = arm_seconds(EMBEDDED, done, COSTS)
+    steps, sft = EMBEDDED.steps, plain(done, "sft")
+    assert seconds["sft/kfac[math_t8]@1/seed0"] == sft + steps * COSTS.kfac_tailed_step + COSTS.kfac_anchor
+    assert seconds["sft/kfac[math_s90]@10/seed0"] == seconds["sft/kfac[math_t8]@1/seed0"]
+    assert seconds["sft/kfac[math_r16]@1/seed0"] == sft + steps * COSTS.kfac_truncated_step + COSTS.kfac_anchor
+    # the whole committed run: the zero-tail rows that ran (r8, r64 at c = 1) price their kind; a mean tail is that
+    # plus its costlier correction, until a mean-tail row of its own kind ran
+    done = committed(whole=True)
+    zero = statistics.median(done[f"sft/kfac[math_r{r}]@1/seed0"]["seconds"] for r in (8, 64))
+    extra = steps * (COSTS.kfac_tailed_step - COSTS.kfac_truncated_step)
+    seconds = arm_seconds(EMBEDDED, done, COSTS)
+    assert seconds["sft/kfac[math_r256]@100/seed0"] == zero
+    assert seconds["sft/kfac[math_t8]@1/seed0"] == seconds["sft/kfac[math_s50]@1/seed0"] == zero + extra
+    arm = Arm("sft", "kfac", 1.0, 0, "math_t8")
+    done[arm.key] = {"key": arm.key, "arm": arm.__dict__, "metrics": {}, "seconds": 70.0}
+    assert arm_seconds(EMBEDDED, done, COSTS)["sft/kfac[math_s50]@1/seed0"] == 70.0
