@@ -1,13 +1,14 @@
 """Reproduce the structure of the paper's table on the embedded SmolLM2-135M (or a tiny random model).
 
-    python scripts/reproduce_table.py --tiny              # the whole pipeline in about a minute
+    python scripts/reproduce_table.py --tiny              # the whole pipeline in a few minutes
     python scripts/reproduce_table.py --plot              # the embedded model (docs/reports/evidence.md)
     python scripts/reproduce_table.py --list              # what is left to run there, and about how long
 
 Rows are methods (unregularized, KL control, CFP with the math / code / safety anchors, diagonal and
 Kronecker-factored (CFP-KFAC), step-only, isotropic), columns are domains; each arm is trained with SFT and with DPO
 (TRL) from the same weights, and the RL arms with TRL's RLOO on two programmatic rewards (pirate, brevity); every
-arm is measured on held-out capability prompts (kl_to_base, scores) and on its task. Results, tables
+arm is measured on held-out capability prompts (kl_to_base, scores) and on its task. Then the rank and tail sweep
+of CFP-KFAC [math] (ranks with the zero and the mean tail, trace shares; `evidence/plan.py`). Results, tables
 (`evidence.md`) and the frontier plot (`frontier.png`) go to --output-dir; an interrupted run resumes, and a run
 in a directory holding the committed `scripts/results/evidence-smollm2/results.jsonl` computes only the arms
 added since. What each arm is and how it is measured: `scripts/evidence/` (plan.py, training.py, measure.py).

@@ -8,14 +8,22 @@
   reward (`rloo-<reward>`: the task progress is the reward gain).
 - Sweep tables (first seed, table strength): CFP-KFAC [math] with the anchor truncated to r eigenpairs per factor
   (`math_r<r>`) and with math K-FAC anchors of other sizes (`math_n<n>`), beside the full 32-sequence one.
+- Rank and tail sweep (first seed, per optimizer, `rank_tail_table`): CFP-KFAC [math] with each truncation of
+  the plan (`math_t<r>`, `math_r<r>`, `math_s<pct>`) beside full rank: math KL +- its standard error and task
+  progress at each strength, the floats the bases store per factored parameter, and "math KL at equal task gain":
+  the truncation's math KL interpolated at full rank's task progress at c = 1, linearly in log KL between
+  consecutive strengths of its sweep (`kl_at_gain`; never extrapolated: "n/a"), and its ratio to full rank's KL
+  there. Then `rank_tail_rule`: the smallest rank and the smallest trace share within `RULE_RATIO` of full rank on
+  every optimizer. Arms not run yet show "—".
 - Predicted vs measured: for the rows that have both, the diagonal prediction 0.5 DtFD_math, the K-FAC one
   (`math/kfac_predicted_kl`) and the measured held-out math KL.
 - Frontier: task progress against math kl_to_base, one curve per method over its strengths (means over seeds),
   each starting at the unregularized run: per optimizer, for the diagonal quality sweep (SFT) and for the K-FAC
-  sweeps (per optimizer), first seed only.
+  sweeps (per optimizer: rank and anchor size; rank and tail, zero tails dashed), first seed only.
 """
 
 import math
+import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -23,6 +31,9 @@ from pathlib import Path
 from .measure import TASK_PROGRESS
 from .plan import DOMAINS, Plan, rl_reward
 
+MISSING = "—"  # a cell whose arm has not run (yet)
+RULE_RATIO = 1.25  # a truncation keeps the protection when its math KL at equal task gain is within this of full
+ZERO_TAIL = re.compile(r"_r[0-9]+\]")  # a curve of a zero-tail truncation, 'CFP-KFAC [math_r8]' (drawn dashed)
 LABELS = {"unregularized": "unregularized", "kl": "KL control", "step_only": "step-only", "isotropic": "isotropic"}
 
 
@@ -175,6 +186,143 @@ def size_labels(plan: Plan) -> dict[str, str]:
     return {sizes[n]: f"CFP-KFAC [math] {n} sequences" for n in sorted(sizes)}
 
 
+def truncation_labels(plan: Plan) -> dict[str, str]:
+    """{anchor label: row name} of the rank and tail sweep: full rank, each of `kfac_tail_ranks` with the mean and
+    the zero tail, each of `kfac_shares` (mean tail)."""
+    labels = {"math": "full rank"}
+    for r in plan.kfac_tail_ranks:
+        labels |= {f"math_t{r}": f"rank {r}, mean tail", f"math_r{r}": f"rank {r}, zero tail"}
+    return labels | {f"math_s{pct}": f"{pct}% of trace, mean tail" for pct in plan.kfac_shares}
+
+
+def kl_at_gain(points: list[tuple[float, float]], gain: float) -> float | None:
+    """The math KL of a strength sweep at task progress `gain`: `points` are (task progress, math KL) in strength
+    order; a point at exactly `gain` gives its KL, else the first pair of consecutive points whose progress
+    brackets `gain` gives log KL interpolated linearly in progress. None when no pair brackets it (no
+    extrapolation) or a KL there is not > 0."""
+    for progress, kl in points:
+        if progress == gain:
+            return kl if kl > 0 else None
+    for (g0, k0), (g1, k1) in zip(points, points[1:], strict=False):
+        if min(g0, g1) < gain < max(g0, g1):
+            if k0 <= 0 or k1 <= 0:
+                return None
+            t = (gain - g0) / (g1 - g0)
+            return math.exp((1 - t) * math.log(k0) + t * math.log(k1))
+    return None
+
+
+def _sweep_cells(rows: list[dict], optimizer: str, seed: int) -> dict[tuple[str, float], dict]:
+    """{(anchor label, strength): metrics} of the CFP-KFAC arms of `optimizer` on `seed`."""
+    return {
+        (r["arm"]["anchor"], r["arm"]["strength"]): r["metrics"]
+        for r in rows
+        if r.get("arm", {}).get("optimizer") == optimizer and r["arm"]["method"] == "kfac" and r["arm"]["seed"] == seed
+    }
+
+
+def equal_gain(rows: list[dict], plan: Plan, optimizer: str) -> tuple[float | None, dict[str, tuple]]:
+    """(full rank's task progress at `table_strength`, {label: (math KL at that progress, ratio to full rank's
+    KL)}) over `truncation_labels`, first seed, from the strengths that ran (`kl_at_gain`): a label with no arm is
+    left out; (None, None) when its sweep does not reach that progress. No full-rank row: (None, {})."""
+    task, cells = TASK_PROGRESS[optimizer], _sweep_cells(rows, optimizer, plan.seeds[0])
+    full = cells.get(("math", plan.table_strength))
+    if full is None:
+        return None, {}
+    target, reference = full[task], full["math/kl"]
+    found = {}
+    for label in truncation_labels(plan):
+        ran = [cells[(label, c)] for c in plan.sweep_strengths() if (label, c) in cells]
+        points = [(metrics[task], metrics["math/kl"]) for metrics in ran]
+        if not points:
+            continue
+        kl = kl_at_gain(points, target)
+        found[label] = (kl, kl / reference if kl is not None and reference > 0 else None)
+    return target, found
+
+
+def _floats(rows: list[dict], label: str) -> float | None:
+    """The floats per factored parameter of `label`'s anchor (`kfac/floats_per_param` of any of its rows; full
+    rank also `kfac/full_floats_per_param` of a math truncation's)."""
+    for row in rows:
+        anchor, metrics = row.get("arm", {}).get("anchor"), row["metrics"]
+        if anchor == label and "kfac/floats_per_param" in metrics:
+            return metrics["kfac/floats_per_param"]
+        if label == "math" and "kfac/full_floats_per_param" in metrics and (anchor or "").startswith("math_"):
+            return metrics["kfac/full_floats_per_param"]
+    return None
+
+
+def rank_tail_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
+    """Markdown: one row per truncation of `truncation_labels` (first seed), columns: floats per factored
+    parameter; per strength of `sweep_strengths` the math KL +- its standard error and the task progress; the math
+    KL at full rank's task progress at `table_strength` (`equal_gain`) and its ratio to full rank's KL. "—": not
+    run (yet); "n/a": the sweep does not reach full rank's task progress."""
+    task, cells = TASK_PROGRESS[optimizer], _sweep_cells(rows, optimizer, plan.seeds[0])
+    target, at_gain = equal_gain(rows, plan, optimizer)
+    strengths, c = plan.sweep_strengths(), plan.table_strength
+    reached = f"{task} = {target:.3g}" if target is not None else f"full rank's c={c:g} {task}"
+    header = [f"{title(optimizer)} truncation", "floats/param"]
+    header += [f"c={s:g} {column}" for s in strengths for column in ("math KL", task)]
+    header += [f"math KL at {reached}", "ratio to full"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for label, name in truncation_labels(plan).items():
+        floats = _floats(rows, label)
+        entries = [format(floats, ".3g") if floats is not None else MISSING]
+        for s in strengths:
+            metrics = cells.get((label, s))
+            if metrics is None:
+                entries += [MISSING, MISSING]
+                continue
+            kl = format(metrics["math/kl"], ".3g")
+            stderr = metrics.get("math/kl_stderr")
+            entries += [kl + (f" ± {stderr:.2g}" if stderr is not None else ""), format(metrics[task], ".3g")]
+        if target is None or label not in at_gain:
+            entries += [MISSING, MISSING]
+        else:
+            at, ratio = at_gain[label]
+            entries += [
+                format(at, ".3g") if at is not None else "n/a",
+                f"{ratio:.2f}" if ratio is not None else "n/a",
+            ]
+        lines.append(f"| {name} | " + " | ".join(entries) + " |")
+    return "\n".join(lines)
+
+
+def rank_tail_rule(rows: list[dict], plan: Plan) -> str:
+    """One sentence from the sweep's numbers: the smallest absolute rank (with the tails that pass there) and the
+    smallest trace share whose ratio to full rank's math KL at equal task gain (`equal_gain`) is <= `RULE_RATIO`
+    on every optimizer of the plan (SFT and DPO), or "none"; and how many truncations have a ratio on all of them
+    (the others did not run or do not reach full rank's task progress)."""
+    ratios = {optimizer: equal_gain(rows, plan, optimizer)[1] for optimizer in plan.optimizers}
+
+    def ratio_everywhere(label: str) -> list[float] | None:
+        found = [ratios[o].get(label, (None, None))[1] for o in plan.optimizers]
+        return None if any(r is None for r in found) else found  # type: ignore[return-value]
+
+    def passes(label: str) -> bool:
+        found = ratio_everywhere(label)
+        return found is not None and all(r <= RULE_RATIO for r in found)
+
+    tails = {"t": "mean", "r": "zero"}
+    ranks = sorted({r for r in plan.kfac_tail_ranks for x in tails if passes(f"math_{x}{r}")})
+    rank = "none"
+    if ranks:
+        passing = [tail for x, tail in tails.items() if passes(f"math_{x}{ranks[0]}")]
+        rank = f"{ranks[0]} ({' and '.join(passing)} tail{'s' if len(passing) > 1 else ''})"
+    shares = [pct for pct in sorted(plan.kfac_shares) if passes(f"math_s{pct}")]
+    share = f"{shares[0]}% (mean tail)" if shares else "none"
+    cuts = [label for label in truncation_labels(plan) if label != "math"]
+    measured = sum(ratio_everywhere(label) is not None for label in cuts)
+    where = " and ".join(title(o) for o in plan.optimizers)
+    return (
+        f"Within {RULE_RATIO:g}x of full rank's math KL at equal task gain on {where}: the smallest absolute rank is "
+        f"{rank}; the smallest trace share is {share}. {measured} of {len(cuts)} truncations have a ratio on "
+        f"{'both optimizers' if len(plan.optimizers) == 2 else 'every optimizer'} (the others: {MISSING} not run, "
+        "n/a outside their strengths)."
+    )
+
+
 def prediction_table(rows: list[dict]) -> str:
     """Markdown: per arm with a K-FAC prediction (means over seeds), the diagonal quadratic 0.5 DtFD_math, the
     K-FAC quadratic `math/kfac_predicted_kl` (both of the anchors' calibration prompts) and the measured held-out
@@ -214,6 +362,11 @@ def frontier_panels(rows: list[dict], plan: Plan) -> list[tuple[str, dict, str]]
         curves = frontier_points(rows, optimizer, kfac, seed)
         curves = {label: c for label, c in curves.items() if label == "CFP [math]" or label.startswith("CFP-KFAC")}
         panels.append((optimizer, curves, f"{title(optimizer)}: K-FAC rank and anchor size"))
+    sweep = truncation_labels(plan)
+    for optimizer in plan.optimizers if len(sweep) > 1 else ():
+        curves = frontier_points(rows, optimizer, {None, *sweep}, seed)
+        curves = {f"CFP-KFAC [{a}]": curves[f"CFP-KFAC [{a}]"] for a in sweep if f"CFP-KFAC [{a}]" in curves}
+        panels.append((optimizer, curves, f"{title(optimizer)}: K-FAC rank and tail (zero tails dashed)"))
     return panels
 
 
@@ -240,8 +393,12 @@ def plot_frontiers(rows: list[dict], plan: Plan, path: Path) -> None:
     for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (optimizer, curves, name) in zip(axes.flat, panels, strict=False):
-        for label, points in curves.items():
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, label=label)
+        palette = plt.get_cmap("tab20") if len(curves) > 10 else None  # the default cycle repeats after 10
+        for i, (label, points) in enumerate(curves.items()):
+            style = "--" if ZERO_TAIL.search(label) else "-"
+            color = palette(i) if palette else None
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            ax.plot(xs, ys, style, color=color, marker="o", markersize=4, label=label)
         start = unregularized_point(rows, optimizer, plan.seeds[0])
         if start is not None:
             ax.plot(*start, marker="*", markersize=11, color="black", linestyle="none", label="unregularized")
@@ -260,9 +417,19 @@ def _ran(rows: list[dict], optimizer: str) -> bool:
     return any(r.get("arm", {}).get("optimizer") == optimizer for r in rows)
 
 
+RANK_TAIL_LEGEND = (
+    "Each factor of every weight keeps its top r eigenpairs (rank r) or the fewest holding a share of its trace, the "
+    "rest free (zero tail) or at their mean (mean tail); lam = c / p99 of the full anchor. Math KL ± its standard "
+    "error on the held-out prompts; floats/param: what the K-FAC bases store per factored parameter. The last two "
+    "columns: the truncation's math KL interpolated (linear in log KL between consecutive strengths) at full rank's "
+    f"task progress at c = 1, and its ratio to full rank's math KL there; n/a: its strengths do not reach that "
+    f"progress (no extrapolation); {MISSING}: not run yet."
+)
+
+
 def markdown_report(rows: list[dict], plan: Plan) -> str:
-    """Both tables for every optimizer that ran (SFT, DPO, each RL reward), every SFT arm, the K-FAC sweeps and
-    the predicted against measured math KL, as one markdown document."""
+    """Both tables for every optimizer that ran (SFT, DPO, each RL reward), every SFT arm, the K-FAC sweeps, the
+    rank and tail sweep with its rule, and the predicted against measured math KL, as one markdown document."""
     parts = []
     for optimizer in [o for o in (*plan.optimizers, *plan.rl_optimizers()) if _ran(rows, o)]:
         parts += [
@@ -283,6 +450,13 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
                 f"### {title(optimizer)}: CFP-KFAC [math] by {name} (c = {c:g}, seed {seed})",
                 sweep_table(rows, optimizer, labels, c, seed),
             ]
+    swept = [o for o in plan.optimizers if len(truncation_labels(plan)) > 1 and plan.kfac_strengths and _ran(rows, o)]
+    for optimizer in swept:
+        parts.append(f"### Rank and tail sweep: {title(optimizer)} (CFP-KFAC [math], seed {seed})")
+        parts += [RANK_TAIL_LEGEND] if optimizer == swept[0] else []
+        parts.append(rank_tail_table(rows, plan, optimizer))
+    if swept:
+        parts.append(rank_tail_rule(rows, plan))
     if any("math/kfac_predicted_kl" in r["metrics"] for r in rows):
         parts += ["### Predicted against measured math KL (nats)", prediction_table(rows)]
     return "\n\n".join(parts) + "\n"

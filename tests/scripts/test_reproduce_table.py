@@ -1,10 +1,11 @@
-"""`python scripts/reproduce_table.py --tiny` end to end (about a minute on one thread): every arm of the tiny
-plan (SFT, DPO and RLOO; diagonal, K-FAC and control methods) trains and is measured, the tables and the frontier
-plot are written, a second call resumes from `results.jsonl` without training again, and `--list` then has
-nothing left. Numbers checked: the base row's KL is exactly 0; every seed's unregularized SFT run learns its task,
-and its CFP [math] run leaves less than half the math-sensitive drift (lam > 0 reaches the weights); the drift
-table's entries are the ratios of the stored DtFD values; a stronger CFP-KFAC [math] leaves a smaller K-FAC
-quadratic; RLOO with the brevity reward moves the weights, and CFP [math] shrinks their math-sensitive drift."""
+"""`python scripts/reproduce_table.py --tiny` end to end (a few minutes on one thread): every arm of the tiny
+plan (SFT, DPO and RLOO; diagonal, K-FAC and control methods; the rank and tail sweep) trains and is measured, the
+tables and the frontier plot are written, a second call resumes from `results.jsonl` without training again, and
+`--list` then has nothing left. Numbers checked: the base row's KL is exactly 0; every seed's unregularized SFT run
+learns its task, and its CFP [math] run leaves less than half the math-sensitive drift (lam > 0 reaches the
+weights); the drift table's entries are the ratios of the stored DtFD values; a stronger CFP-KFAC [math] leaves a
+smaller K-FAC quadratic, and so does a rank-2 truncation with the mean tail against the zero tail (which leaves the
+rest free); RLOO with the brevity reward moves the weights, and CFP [math] shrinks their math-sensitive drift."""
 
 import json
 import os
@@ -52,6 +53,8 @@ def test_every_arm_ran_and_the_outputs_are_written(tiny_run):
         "RLOO (brevity reward): quadratic sensitive drift",
         "DPO: CFP-KFAC [math] by rank",
         "SFT: CFP-KFAC [math] by anchor size",
+        "Rank and tail sweep: DPO (CFP-KFAC [math], seed 0)",
+        "Within 1.25x of full rank's math KL at equal task gain on SFT and DPO",
         "Predicted against measured math KL",
     ):
         assert heading in report
@@ -88,6 +91,16 @@ def test_the_new_arms_hang_together(tiny_run):
     for optimizer in ("sft", "dpo"):  # lam x 10 on the same seed: a smaller K-FAC quadratic of math
         weak, strong = (rows[f"{optimizer}/kfac[math]@{c}/seed0"]["metrics"] for c in (1, 10))
         assert strong["math/kfac_predicted_kl"] < 0.5 * weak["math/kfac_predicted_kl"]
+    for optimizer in ("sft", "dpo"):  # the mean tail pulls the directions a zero tail leaves free
+        zero, mean, strong = (
+            rows[f"{optimizer}/kfac[{a}]@{c}/seed0"]["metrics"]
+            for a, c in (("math_r2", 10), ("math_t2", 1), ("math_t2", 10))
+        )
+        assert strong["math/kfac_predicted_kl"] < 0.5 * zero["math/kfac_predicted_kl"]
+        assert strong["math/kfac_predicted_kl"] < 0.5 * mean["math/kfac_predicted_kl"]
+        full = mean["kfac/full_floats_per_param"]
+        assert zero["kfac/floats_per_param"] < mean["kfac/floats_per_param"] < full  # the tails: 2 floats per weight
+    assert rows["sft/kfac[code_t2]@1/seed2"]["metrics"]["kfac/floats_per_param"] > 0  # the default's table rows ran
     free, protected = (rows[f"rloo-brevity/{m}/seed0"]["metrics"] for m in ("unregularized@0", "cfp[math]@1"))
     assert free["math/dtfd"] > 0 and protected["math/dtfd"] < 0.5 * free["math/dtfd"]
     assert "task/brevity_gain" in free and "task/pirate_gain" in free

@@ -114,4 +114,5 @@ def test_frontier_has_a_cfp_kfac_curve_and_the_report_has_every_section():
         "### Predicted against measured math KL (nats)",
     ):
         assert heading in report
-    assert "DPO" not in report and "RLOO" not in report  # optimizers without rows get no section
+    assert "### DPO" not in report and "### RLOO" not in report  # optimizers without rows get no section
+    assert "### Rank and tail sweep: SFT" in report and "### Rank and tail sweep: DPO" not in report
