@@ -17,15 +17,8 @@ from .card import render_card
 from .combine import combine_parts
 from .config import CONFIG_NAME, FORMAT_VERSION, directory_config, validate_anchor_name
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
-from .kfac import (
-    AnchorWeights,
-    basis_tensors,
-    dense_factors,
-    kfac_summary,
-    kronecker_bases,
-    split_stored,
-    weight_shape,
-)
+from .kfac import basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
+from .kfac_views import AnchorWeights, kfac_summary
 from .lazy import LazyFisher, fisher_shape
 from .statistics import concentration, fisher_statistics, module_type_shares
 from .storage import read_tensors, stored_tensors, temporary_path, write_tensors

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import AnchorMismatchError
 from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
-from .kfac import ImpliedDiagonal, factor_cosines
+from .kfac_views import ImpliedDiagonal, factor_cosines
 from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses
 
@@ -88,7 +88,7 @@ def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:
       `statistics.module_type_masses`: the parameter's module name, e.g. `q_proj`, `embed_tokens`),
       ordered by the larger of the two shares.
 
-    Two K-FAC anchors are compared on the diagonal of A (x) G beside their diagonal F (`kfac.ImpliedDiagonal`:
+    Two K-FAC anchors are compared on the diagonal of A (x) G beside their diagonal F (`kfac_views.ImpliedDiagonal`:
     their eigenbases need not agree), and `factor_cosine` adds the mean cosine of their dense A and G factors.
 
     Raises AnchorMismatchError when the tensor names or shapes differ, or one anchor is K-FAC and the other not.

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from hf_cfp.anchor.kfac import (
-    RotatedWeights,
     basis_from_factors,
     basis_tensors,
     check_basis,
@@ -12,6 +11,7 @@ from hf_cfp.anchor.kfac import (
     kfac_weight_names,
     read_bases,
 )
+from hf_cfp.anchor.kfac_views import RotatedWeights
 from hf_cfp.errors import AnchorValidationError
 
 
