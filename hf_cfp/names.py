@@ -77,8 +77,8 @@ class LoggedMetric:
 _EVERY_ANCHOR = "every logging step, per protecting and monitor anchor"
 SENSITIVE_DRIFT = LoggedMetric(
     "cfp/<anchor>/sensitive_drift",
-    "`sqrt(sum_i F_i Delta_i^2)`; a K-FAC anchor's factored weights add `sum gamma_i alpha_j R_ij^2`, "
-    "`R = Q_G^T Delta_W Q_A`",
+    "`sqrt(sum_i F_i Delta_i^2)`; a K-FAC anchor's factored weights add `vec(Delta_W)^T (G_r (x) A_r) "
+    "vec(Delta_W)`, summed over the eigen-directions of `A_r (x) G_r` (kept and tail blocks)",
     _EVERY_ANCHOR,
 )
 PREDICTED_KL = LoggedMetric(
@@ -90,7 +90,7 @@ PREDICTED_KL = LoggedMetric(
 FREE_DRIFT = LoggedMetric(
     "cfp/<anchor>/free_drift",
     "`norm(Delta)` over the `free_fraction` of coordinates with the smallest `F` (threshold fixed once at bind; "
-    "rotated coordinates of a K-FAC anchor's factored weights)",
+    "the coordinates of `A_r (x) G_r`'s eigenbasis for a K-FAC anchor's factored weights)",
     _EVERY_ANCHOR,
 )
 TOTAL_DRIFT = LoggedMetric("cfp/total_drift", "`norm(Delta)` over every covered parameter", "every logging step")
