@@ -6,7 +6,7 @@ per-sequence scores of the two halves of the calibration sequences. Another stru
 summed in the batched engine's hooks beside the squares) is another `FisherSums`.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import torch
@@ -93,9 +93,35 @@ class DiagonalSums:
         self.second = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]  # S_b, then S = S_a + S_b
         self.first = [torch.zeros_like(s) for s in self.second] if half else []  # S_a: the one extra accumulator
 
-    def add(self, model, prompts: list, responses: list, supports: list, first_half: bool) -> None:
+    def add(
+        self,
+        model,
+        prompts: list,
+        responses: list,
+        supports: list,
+        first_half: bool,
+        factored: Sequence[tuple[torch.Tensor, object]] = (),
+        squares: bool = True,
+    ) -> None:
+        """Score one group of samples into the half's sums. `factored`: (weight, its `kfac_factors.KroneckerSums`)
+        pairs the same pass sums Kronecker factors of (the engine's hooks; they get no squares); `squares=False`
+        scores for them alone (a second pass over sketched factors)."""
         sums = self.first if first_half else self.second
-        self.score(model, self.params, sums, prompts, responses, self.sampler, self.pad_id, supports=supports)
+        params = [*(self.params if squares else []), *(w for w, _ in factored)]
+        accumulators = [*(sums if squares else []), *([None] * len(factored))]
+        first = len(params) - len(factored)
+        kronecker = {first + j: s for j, (_, s) in enumerate(factored)} or None
+        self.score(
+            model,
+            params,
+            accumulators,
+            prompts,
+            responses,
+            self.sampler,
+            self.pad_id,
+            supports=supports,
+            kronecker=kronecker,
+        )
 
     def reduced(self) -> list[torch.Tensor]:
         return [*self.second, *self.first]

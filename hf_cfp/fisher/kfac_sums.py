@@ -63,29 +63,11 @@ class KroneckerFisherSums:
         self.scored: list[tuple[list, list, list]] | None = [] if sketched else None  # replayed by `refine`
 
     def add(self, model, prompts: list, responses: list, supports: list, first_half: bool) -> None:
-        sums = self.diagonal.first if first_half else self.diagonal.second
-        self._score(model, self.params, [*sums, *([None] * len(self.sums))], self.sums, (prompts, responses, supports))
+        factored = list(zip(self.weights, self.sums, strict=True))
+        self.diagonal.add(model, prompts, responses, supports, first_half, factored)
         self.tokens += sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True))
         if self.scored is not None:
             self.scored.append((prompts, responses, supports))
-
-    def _score(self, model, params: list, accumulators: list, kronecker: list[KroneckerSums], group: tuple) -> None:
-        """One scoring pass of `group` (prompts, responses, supports) adding to `accumulators` (None for the
-        factored weights) and to the `kronecker` sums of the last len(kronecker) of `params`."""
-        first = len(params) - len(kronecker)
-        diagonal = self.diagonal
-        prompts, responses, supports = group
-        diagonal.score(
-            model,
-            params,
-            accumulators,
-            prompts,
-            responses,
-            diagonal.sampler,
-            diagonal.pad_id,
-            supports=supports,
-            kronecker={first + j: s for j, s in enumerate(kronecker)},
-        )
 
     def refine(self, model) -> list[torch.Tensor]:
         """One subspace iteration of every sketched factor (`kfac_sketch.FactorSketch.refined`: Omega <- orth(Y),
@@ -95,8 +77,9 @@ class KroneckerFisherSums:
         if not self.scored:
             return []
         replay = [KroneckerSums(_Replay(s.inputs), _Replay(s.outputs)) for s in self.sums]  # type: ignore[arg-type]
-        for group in self.scored:
-            self._score(model, self.weights, [None] * len(self.weights), replay, group)
+        for prompts, responses, supports in self.scored:
+            factored = list(zip(self.weights, replay, strict=True))
+            self.diagonal.add(model, prompts, responses, supports, True, factored, squares=False)
         self.sums = [KroneckerSums(r.inputs.target, r.outputs.target) for r in replay]  # type: ignore[attr-defined]
         self.scored = None
         factors = [f for r in replay for f in (r.inputs, r.outputs)]
