@@ -3,6 +3,7 @@ solve (I + lam kron(G, A))^-1 vec(D) (row-major), every other parameter follows 
 metrics are the quadratic forms and the rotated free sums, the KL budget holds the dense quadratic, and what has no
 exact correction is refused."""
 
+import itertools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from hf_cfp import CFPArgumentError, FisherAnchor, estimate_fisher
 from hf_cfp.anchor.kfac import truncate_basis
 from hf_cfp.names import FREE_DRIFT, PREDICTED_KL, SENSITIVE_DRIFT, TOTAL_DRIFT
 from hf_cfp.protection import CFPState
+from hf_cfp.protection.kronecker import balanced_owners
 
 
 def kfac_anchor(model, name="math", rank=None, seed=0):
@@ -226,3 +228,21 @@ def test_bfloat16_weights_are_rotated_in_bfloat16_within_their_own_rounding():
         solved = torch.linalg.solve(torch.eye(len(d), dtype=torch.float64) + 30.0 * dense_kernel(anchor, name), d)
         gap = float((params[name].double().reshape(-1) - theta0[name].reshape(-1) - solved).norm())
         assert gap <= 2**-7 * float(proposal[name].norm()), (name, gap)
+
+
+@pytest.mark.parametrize("costs, processes", [([5, 3, 3, 2, 2, 1], 2), ([7, 7, 6, 2, 1, 1, 1], 3), ([4], 2), ([], 2)])
+def test_ddp_owners_balance_the_correction_within_the_greedy_bound(costs, processes):
+    """Every item has one owner in range; the heaviest process carries at most 4/3 of the best split's load
+    (largest-first greedy, Graham's bound), the best split found by enumerating every assignment."""
+    owners = balanced_owners(costs, processes)
+    assert len(owners) == len(costs) and all(0 <= o < processes for o in owners)
+    loads = [sum(c for c, o in zip(costs, owners, strict=True) if o == p) for p in range(processes)]
+    best = min(
+        (
+            max(sum(c for c, o in zip(costs, split, strict=True) if o == p) for p in range(processes))
+            for split in itertools.product(range(processes), repeat=len(costs))
+        ),
+        default=0,
+    )
+    assert max(loads) <= 4 / 3 * best + 1e-9
+    assert owners == balanced_owners(costs, processes)  # the same on every process
