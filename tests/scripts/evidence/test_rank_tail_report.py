@@ -15,6 +15,7 @@ from evidence.plan import DOMAINS, EMBEDDED, Arm  # noqa: E402
 from evidence.report import (  # noqa: E402
     equal_gain,
     kl_at_gain,
+    lower_bounds,
     markdown_report,
     rank_tail_rule,
     rank_tail_table,
@@ -136,3 +137,16 @@ def test_the_report_has_the_section_per_optimizer_then_the_rule():
     assert sft < dpo < report.index("Within 1.25x of full rank's math KL")
     assert "### Rank and tail sweep" not in markdown_report(_rows(), replace(PLAN, kfac_tail_ranks=(), kfac_shares=()))
     assert math.isclose(kl_at_gain([(3.5, 6.0), (2.5, 1.5)], 3.0), 3.0)
+
+
+def test_a_sweep_that_stays_below_full_ranks_gain_gives_a_lower_bound():
+    """math_s90 under SFT gets no further than progress 2.9 < 3 (full rank's): its KL at 3 is at least that of its
+    furthest point, 5 (ratio >= 2.5), shown as a bound and counted against the rule."""
+    rows = [
+        r for r in _rows() if not (r.get("arm", {}).get("anchor") == "math_s90" and r["arm"]["optimizer"] == "sft")
+    ]
+    rows += [_row("sft", 1.0, "math_s90", 2.9, 5.0), _row("sft", 10.0, "math_s90", 2.5, 2.0)]
+    assert lower_bounds(rows, PLAN, "sft") == {"math_s90": (5.0, 2.5)}
+    assert lower_bounds(_rows(), PLAN, "sft") == {}  # every other sweep reaches or passes 3
+    assert rank_tail_table(rows, PLAN, "sft").splitlines()[-1].endswith("| >= 5 | >= 2.50 |")
+    assert rank_tail_rule(rows, PLAN).endswith("; 1 more are above 1.25x on some optimizer by a lower bound (>=).")
