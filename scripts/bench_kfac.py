@@ -1,32 +1,56 @@
 """Benchmark K-FAC anchors on SmolLM2-135M's architecture (random weights, CPU): the estimate's cost against a
-diagonal estimate of the same sequences, the correction's cost against an AdamW step, and the anchor's size.
+diagonal estimate of the same sequences, the correction's cost against an AdamW step, and the anchor's size, at
+full rank and at rank R (`--rank`: the top R eigenpairs of each factor and the mean of the rest, its tail).
 
     python scripts/bench_kfac.py [--sequences 8] [--new-tokens 32] [--rounds 3] [--threads 2] [--rank 64]
-                                 [--device cpu|cuda]
+                                 [--device cpu|cuda] [--quick]
 
-1. Estimate: `estimate_fisher` of the float32 model on the same seeded prompts and sampler, structure "diagonal"
-   and "kfac" (the same responses: same seed, batch size and scoring groups), timed one after the other in each
-   round (medians). The K-FAC time includes the eigendecompositions.
-2. Correction: the model in bfloat16 bound to the K-FAC anchor (`CFPState`), `correct(lam)` against one AdamW step
-   (foreach) of the same parameters with gradients set, interleaved over rounds (medians); also with the bases
-   truncated to `--rank` eigenpairs per factor (the top block of the same anchor).
-3. Size: the anchor's stored floats (eigenvectors, eigenvalues, the diagonal F of the other parameters) per
-   parameter it covers.
+R defaults to 64 for now (the default rank of `estimate_fisher(structure="kfac")` is being chosen by the rank sweep
+of `scripts/reproduce_table.py`; pass that number here once it is chosen). `--quick`: 4 sequences, 1 round (a
+smoke run; its medians are single measurements).
 
-Last line: RESULT kfac_estimate_vs_diagonal=<x> kfac_correction_vs_adamw=<y> kfac_floats_per_param=<z>
-(full rank) kfac_rank<r>_correction_vs_adamw=<w>. Targets (issue 25): x <= 1.5, y <= 1.0, z <= 3.
+1. Estimate: `estimate_fisher` of the float32 model on the same seeded prompts and sampler, structure "diagonal",
+   "kfac" (full rank) and "kfac" with `kfac_rank=R` (the same responses: same seed, batch size and scoring
+   groups), timed one after the other in each round (medians over rounds). The K-FAC times include the
+   eigendecompositions (and, for factors too wide to form, the sketch and its second scoring pass).
+2. Correction: the model in bfloat16 bound to each anchor (`CFPState`), `correct(lam)` against one AdamW step
+   (foreach) of the same parameters with gradients set, interleaved over rounds after one untimed warm-up of each
+   (medians). Rows: full rank; rank R with its mean tail (the rank-R estimate); rank R without a tail (the same
+   eigenpairs, no tail: the plain truncation that treats the rest as free, two rotations; for comparison); and
+   the rank-R tailed correction of the factored weights alone (an anchor of the K-FAC bases only) against an AdamW
+   step of those weights alone.
+3. Size: floats stored (eigenvectors, eigenvalues, tails, the diagonal F of the other parameters) per parameter
+   covered; at rank R, of the factored weights alone: ((in + out) R + 2 R + 2) / (in out) summed over them.
+
+Last line:
+    RESULT kfac_estimate_vs_diagonal=<x> kfac_correction_vs_adamw=<y> kfac_floats_per_param=<z>
+           kfac_rankR_correction_vs_adamw=<w> kfac_rankR_floats_per_param=<v> kfac_rankR_estimate_vs_diagonal=<u>
+           kfac_rankR_factored_correction_vs_adamw=<t>
+The first three at full rank (targets, issue 25: x <= 1.5, y <= 1.0, z <= 3). At rank R (issue 30, on a CPU):
+w <= 1.0 (the whole model's correction, K-FAC at rank R with tails plus the diagonal F of the rest, over the whole
+model's AdamW step: the definition of `kfac_correction_vs_adamw`), v <= 0.3, u <= 1.5; t: the factored weights'
+correction over their own AdamW step (no target; the share the K-FAC part costs). Before issue 30,
+`kfac_rank64_correction_vs_adamw` measured the plain truncation (no tail): that is now the table's "no tail" row.
+
+On a shared, loaded machine pass `--threads 1`: multi-threaded LAPACK and BLAS collapse when other processes hold
+the cores (a float64 `eigh` of 1536 x 1536 took 52 s with 2 threads against 2.2 s with 1 on a 2-core machine at
+load 4). On a CPU the correction's temporaries are fresh float32 tensors of a batch of weights each; glibc returns
+large ones to the system, and their first touch (page faults) can cost as much as the arithmetic: measured here as
+is, with the default allocator.
 """
 
 import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from bench_peft import smollm2_135m_shaped  # scripts/ is on sys.path when run
-from evidence.controls import truncated_anchor
 
 from hf_cfp import FisherAnchor, estimate_fisher
+from hf_cfp.anchor.kfac import stored_parts
+from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.protection import CFPState
 
 
@@ -40,8 +64,19 @@ def timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, value
 
 
-def estimates(model, args) -> tuple[float, float, FisherAnchor]:
-    """(median diagonal seconds, median K-FAC seconds, the K-FAC anchor)."""
+def interleaved(jobs: dict[str, Callable[[], object]], rounds: int) -> tuple[dict[str, float], dict[str, object]]:
+    """(median seconds, last value) of each job, the jobs run one after the other in each of `rounds` rounds."""
+    seconds: dict[str, list[float]] = {name: [] for name in jobs}
+    values: dict[str, object] = {}
+    for _ in range(rounds):
+        for name, job in jobs.items():
+            elapsed, values[name] = timed(job)
+            seconds[name].append(elapsed)
+    return {name: statistics.median(s) for name, s in seconds.items()}, values
+
+
+def estimates(model, args) -> tuple[dict[str, float], FisherAnchor, FisherAnchor]:
+    """(median seconds of the diagonal, full-rank and rank-R estimates, the full-rank anchor, the rank-R one)."""
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 49152, (16,), generator=g).tolist() for _ in range(args.sequences)]
     common = dict(
@@ -52,38 +87,53 @@ def estimates(model, args) -> tuple[float, float, FisherAnchor]:
         show_progress=False,
         name="bench",
     )
-    diagonal, kfac, anchor = [], [], None
-    for _ in range(args.rounds):
-        diagonal.append(timed(lambda: estimate_fisher(model, None, prompts, **common))[0])
-        seconds, anchor = timed(lambda: estimate_fisher(model, None, prompts, structure="kfac", **common))
-        kfac.append(seconds)
-    assert isinstance(anchor, FisherAnchor)
-    return statistics.median(diagonal), statistics.median(kfac), anchor
+    jobs = {
+        "diagonal": lambda: estimate_fisher(model, None, prompts, **common),
+        "kfac": lambda: estimate_fisher(model, None, prompts, structure="kfac", **common),
+        "kfac_rank": lambda: estimate_fisher(model, None, prompts, structure="kfac", kfac_rank=args.rank, **common),
+    }
+    seconds, anchors = interleaved(jobs, args.rounds)
+    full, ranked = anchors["kfac"], anchors["kfac_rank"]
+    assert isinstance(full, FisherAnchor) and isinstance(ranked, FisherAnchor)
+    return seconds, full, ranked
 
 
-def corrections(model, anchor: FisherAnchor, args) -> dict[str, float]:
-    """Median seconds of an AdamW step and of the K-FAC correction at full rank and at `args.rank`."""
+def corrections(model, full: FisherAnchor, ranked: FisherAnchor, args) -> tuple[dict[str, float], int, int]:
+    """(median seconds of each AdamW step and correction, parameters of the model, of its factored weights)."""
     bf16 = copy.deepcopy(model).to(torch.bfloat16)
     params = [p for p in bf16.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    lam = 1.0 / anchor.metadata["statistics"]["p99"]
-    truncated = truncated_anchor(anchor, args.rank, f"{anchor.name}_r{args.rank}")
-    states = {"full": CFPState(bf16, anchor), f"rank{args.rank}": CFPState(bf16, truncated)}
-    rows: dict[str, list[float]] = {"adamw": [], **{name: [] for name in states}}
-    for _ in range(args.rounds):
-        rows["adamw"].append(timed(optimizer.step)[0])
-        for name, state in states.items():
-            rows[name].append(timed(lambda state=state: state.correct(lam))[0])
-    return {name: statistics.median(values) for name, values in rows.items()}
+    named = dict(bf16.named_parameters())
+    factored = [named[name] for name in ranked.kfac]
+    lam = 1.0 / full.metadata["statistics"]["p99"]
+    r = args.rank
+    untailed = {
+        name: KroneckerBasis(b.a_vectors, b.a_values, b.g_vectors, b.g_values) for name, b in ranked.kfac.items()
+    }
+    anchors = {
+        "full": full,
+        f"rank{r}": ranked,
+        f"rank{r}_no_tail": FisherAnchor(dict(ranked.fisher), name=f"bench_r{r}_no_tail", kfac=untailed),
+        f"rank{r}_factored": FisherAnchor({}, name=f"bench_r{r}_factored", kfac=dict(ranked.kfac)),
+    }
+    states = {name: CFPState(bf16, anchor) for name, anchor in anchors.items()}
+    adamw = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    adamw_factored = torch.optim.AdamW(factored, lr=1e-4, foreach=True)
+    jobs: dict[str, Callable[[], object]] = {"adamw": adamw.step, "adamw_factored": adamw_factored.step}
+    jobs.update({name: (lambda state=state: state.correct(lam)) for name, state in states.items()})
+    interleaved(jobs, 1)  # warm-up: optimizer states, first-call allocations
+    seconds, _ = interleaved(jobs, args.rounds)
+    return seconds, sum(p.numel() for p in params), sum(p.numel() for p in factored)
 
 
-def floats_per_param(anchor: FisherAnchor) -> float:
-    stored = sum(t.numel() for t in anchor.fisher.values())
-    stored += sum(t.numel() for b in anchor.kfac.values() for t in (b.a_vectors, b.a_values, b.g_vectors, b.g_values))
-    covered = sum(t.numel() for t in anchor.fisher.values())
-    covered += sum(b.g_vectors.shape[0] * b.a_vectors.shape[0] for b in anchor.kfac.values())
+def floats_per_param(anchor: FisherAnchor, factored_only: bool = False) -> float:
+    """Floats the anchor stores per parameter it covers (of its K-FAC weights alone with `factored_only`)."""
+    stored = sum(t.numel() for b in anchor.kfac.values() for t in stored_parts(b).values())
+    covered = sum(b.g_vectors.shape[-2] * b.a_vectors.shape[-2] for b in anchor.kfac.values())
+    if not factored_only:
+        stored += sum(t.numel() for t in anchor.fisher.values())
+        covered += sum(t.numel() for t in anchor.fisher.values())
     return stored / covered
 
 
@@ -93,25 +143,53 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rank", type=int, default=64, help="eigenpairs per factor of the truncated correction")
+    parser.add_argument(
+        "--rank", type=int, default=64, help="R: eigenpairs kept per factor (with the mean tail); 64 until the sweep"
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true", help="4 sequences, 1 round: a smoke run")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sequences, args.rounds = 4, 1
     torch.set_num_threads(args.threads)
-    parser_device = torch.device(args.device)
-    model = smollm2_135m_shaped().to(parser_device).eval()
-    diagonal_s, kfac_s, anchor = estimates(model, args)
-    print(f"| estimate ({args.sequences} x {args.new_tokens} tokens) | seconds |\n|---|---|")
-    print(f"| diagonal | {diagonal_s:.1f} |\n| kfac | {kfac_s:.1f} |")
-    times = corrections(model, anchor, args)
-    print("\n| step (135M, bf16) | seconds | / AdamW step |\n|---|---|---|")
-    for name, seconds in times.items():
-        print(f"| {name} | {seconds:.3f} | {seconds / times['adamw']:.2f} |")
-    size = floats_per_param(anchor)
-    print(f"\nanchor: {len(anchor.kfac)} K-FAC weights, {size:.2f} floats per covered parameter")
+    r = args.rank
+    model = smollm2_135m_shaped().to(torch.device(args.device)).eval()
+
+    estimate_s, full, ranked = estimates(model, args)
     print(
-        f"RESULT kfac_estimate_vs_diagonal={kfac_s / diagonal_s:.2f} "
+        f"| estimate ({args.sequences} x {args.new_tokens} tokens, median of {args.rounds}) | seconds | / diagonal |"
+    )
+    print("|---|---|---|")
+    for label, key in (("diagonal", "diagonal"), ("kfac, full rank", "kfac"), (f"kfac, rank {r}", "kfac_rank")):
+        print(f"| {label} | {estimate_s[key]:.1f} | {estimate_s[key] / estimate_s['diagonal']:.2f} |")
+
+    times, n_params, n_factored = corrections(model, full, ranked, args)
+    print(f"\n| step (135M, bf16, median of {args.rounds}) | parameters | seconds | / AdamW step of them |")
+    print("|---|---|---|---|")
+    every, factored = f"all {n_params / 1e6:.1f} M", f"factored {n_factored / 1e6:.1f} M"
+    rows = (
+        ("AdamW step", every, "adamw", "adamw"),
+        ("CFP, K-FAC full rank", every, "full", "adamw"),
+        (f"CFP, K-FAC rank {r}, mean tail", every, f"rank{r}", "adamw"),
+        (f"CFP, K-FAC rank {r}, no tail (the rest free)", every, f"rank{r}_no_tail", "adamw"),
+        ("AdamW step", factored, "adamw_factored", "adamw_factored"),
+        (f"CFP, K-FAC rank {r}, mean tail", factored, f"rank{r}_factored", "adamw_factored"),
+    )
+    for label, which, key, reference in rows:
+        print(f"| {label} | {which} | {times[key]:.3f} | {times[key] / times[reference]:.2f} |")
+
+    size, size_r, size_r_factored = floats_per_param(full), floats_per_param(ranked), floats_per_param(ranked, True)
+    print(
+        f"\nanchor: {len(full.kfac)} K-FAC weights; floats per covered parameter: full rank {size:.2f}, rank {r} "
+        f"{size_r:.2f} (with the diagonal F of the rest), rank {r} of the factored weights alone {size_r_factored:.3f}"
+    )
+    print(
+        f"RESULT kfac_estimate_vs_diagonal={estimate_s['kfac'] / estimate_s['diagonal']:.2f} "
         f"kfac_correction_vs_adamw={times['full'] / times['adamw']:.2f} kfac_floats_per_param={size:.2f} "
-        f"kfac_rank{args.rank}_correction_vs_adamw={times[f'rank{args.rank}'] / times['adamw']:.2f}"
+        f"kfac_rank{r}_correction_vs_adamw={times[f'rank{r}'] / times['adamw']:.2f} "
+        f"kfac_rank{r}_floats_per_param={size_r_factored:.3f} "
+        f"kfac_rank{r}_estimate_vs_diagonal={estimate_s['kfac_rank'] / estimate_s['diagonal']:.2f} "
+        f"kfac_rank{r}_factored_correction_vs_adamw={times[f'rank{r}_factored'] / times['adamw_factored']:.2f}"
     )
 
 
