@@ -1,30 +1,58 @@
-"""CFP at 7-8B parameters on 8 GPUs under FSDP2, on paper: bytes per rank, and the correction's traffic, FLOPs and
-time per step against a bf16 training step, computed from the model's shapes (built on the meta device).
+"""CFP at 7-70B parameters on 8 GPUs under FSDP2 and DDP, on paper: bytes per rank, and the correction's FLOPs,
+memory traffic, communicated bytes and time per step against a bf16 training step, computed from the models'
+shapes (built on the meta device).
 
-    python scripts/plan_7b.py                       # Qwen2.5-7B and Llama-3-8B shapes, the defaults below
-    python scripts/plan_7b.py --ranks 8 --kfac-rank 256 --tokens-per-gpu 16384
+    python scripts/plan_7b.py                       # Qwen2.5-7B, Llama-3-8B and Llama-3-70B, the defaults below
+    python scripts/plan_7b.py --ranks 8 --kfac-rank 128 --tokens-per-gpu 16384
 
-Assumptions (flags): FSDP2 shards every parameter's first dimension over `--ranks` processes; parameters bf16;
-theta0 in bf16; the accelerator's HBM bandwidth and dense bf16/TF32 peak are `--hbm-tbps` and `--bf16-tflops` /
-`--tf32-tflops` (defaults: one H100 SXM), reached at `--efficiency` (elementwise and matmul work alike); a
-training step is 6 P tokens FLOPs at `--mfu` of the bf16 peak. Nothing here is measured: the real figures come
+Which weights are factored is the library's rule (`fisher.kfac_sums.kfac_weights`): every 2-D Linear weight,
+whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head (an embedding lookup too), the
+embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
+estimation, never formed. Rows: `--kfac-rank` R (default 64; the default rank of the estimate is being chosen by
+the rank sweep of `scripts/reproduce_table.py`) with tails (the mean of the eigenvalues left out, `ops.kfac`);
+and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
+`WIDE_RANK` eigenpairs with a tail.
+
+Assumptions (flags): parameters and theta0 bf16; the bound eigenvectors in the weights' dtype (bf16), eigenvalues
+and tails float32; the diagonal F of the rest float32; the accelerator's HBM bandwidth and dense bf16 peak are
+`--hbm-tbps` and `--bf16-tflops` (defaults: one H100 SXM), reached at `--efficiency`; a collective's bus
+bandwidth is `--link-gbps`; a ring all-reduce of B bytes moves 2 (n - 1) / n B per rank. A training step is 6 P
+tokens FLOPs at `--mfu` of the bf16 peak. Time = FLOPs at the peak + memory traffic at the HBM bandwidth +
+communication at the bus bandwidth (no overlap: an upper bound). Nothing here is measured: the real figures come
 from `scripts/bench_memory.py` and `scripts/bench_kfac.py` on the hardware.
 
-Per step and rank, with P_r the parameters a rank holds:
-- diagonal correction: reads theta (2), theta0 (2), F (4, or 2 in bf16) and writes theta (2) bytes per parameter;
-- K-FAC correction of a weight (rows_r x in, bases truncated to r_A and r_G): D Q_A (2 rows_r in r_A FLOPs),
-  Q_G^T (.) (2 rows_r r_A r_G), then back (the same again); one all-reduce of the r_G x r_A rotated block in
-  float32 (a ring moves about 2 x its bytes per rank); memory: Q_A (in x r_A, replicated), the rank's rows of
-  Q_G (rows_r x r_G), eigenvalues, theta0; weights with a dimension above the K-FAC limit keep a diagonal F.
+Per weight W (rows x in held by the process that corrects it; rows = out / n row-sharded under FSDP2, out whole
+under DDP), bases cut to r_A and r_G eigenpairs (`ops.kfac` states the math):
+- FLOPs, with a tail: M = D U_A (2 rows in r_A), P = U_G^T M (2 r_G rows r_A), N = U_G^T D (2 r_G rows in), the
+  core (r_G x r_A) times U_A^T (2 r_G r_A in), the fused product [U_G, M'] [N'; U_A^T] (2 rows in (r_G + r_A));
+  without a tail (both factors full): D U_A, U_G^T (.), and back (2 (2 rows in r_A + 2 rows r_A r_G)).
+- Memory traffic: `TAILED_BYTES` (without a tail `UNTAILED_BYTES`) per parameter corrected, counted from the
+  passes of `protection.kronecker` and `ops.kfac.kfac_pull_` over bf16 weights (the stacks of the weights and of
+  theta0, D in bf16 and in float32, the norms of D, the fused product and its float32 copy, the float32 update
+  and the write-back); the products' reads of D are in it. The diagonal F of the rest: 10 bytes per parameter
+  (theta 2 + theta0 2 + F 4 read, theta 2 written).
+- Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`protection.kronecker.BATCH` weights of one
+  shape, corrected together): the stacks, D in float32, the product and its float32 copy.
+- FSDP2 (row shards): every rank corrects its rows of every weight; P (r_G x r_A), with a tail N (r_G x in) too,
+  float32, and the norms (r_A + 1, float64) are all-reduced per weight and step. Memory: theta0 of the rank's
+  rows, U_A whole (every rank), the rank's rows of U_G.
+- DDP (replicated weights): batches of like weights, each corrected by one owning process (largest first to the
+  least loaded, by FLOPs, as `protection.kronecker` assigns them); the busiest process sets the time. The corrected
+  values reach the others in one all-reduce per step of the factored weights' bf16 values (zeros from the
+  non-owners: 2 bytes per factored parameter; an all-gather would move half as many bytes per rank); every
+  process stacks and writes back the weights it does not own (10 bytes per parameter). Memory: theta0, the bases
+  and F of the whole model on every process.
 """
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from hf_cfp.fisher.kfac_factors import MAX_DIMENSION, kfac_kind
+from hf_cfp.fisher.kfac_factors import MAX_FORMED_DIMENSION, WIDE_RANK
+from hf_cfp.fisher.kfac_sums import kfac_weights
+from hf_cfp.protection.kronecker import BATCH
 
 SHAPES = {
     "Qwen2.5-7B": Qwen2Config(
@@ -45,95 +73,280 @@ SHAPES = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    "Llama-3-70B": LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
 }
 GB = 1e9
+TAILED_BYTES = 120  # HBM bytes per parameter of the tailed correction (module docstring)
+UNTAILED_BYTES = 56  # the same without a tail
+TEMPORARY_BYTES = 18  # live temporaries per parameter of the batch being corrected
+DIAGONAL_BYTES = 10  # the diagonal correction: theta, theta0, F (float32) read, theta written
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A factored weight, out x in, with the eigenpairs its bases keep."""
+
+    name: str
+    out_dim: int
+    in_dim: int
+    r_a: int
+    r_g: int
+
+    @property
+    def tailed(self) -> bool:
+        return self.r_a < self.in_dim or self.r_g < self.out_dim
+
+    @property
+    def params(self) -> int:
+        return self.out_dim * self.in_dim
+
+    def flops(self, rows: float) -> float:
+        """One correction of `rows` of this weight (module docstring)."""
+        i, r_a, r_g = self.in_dim, self.r_a, self.r_g
+        if not self.tailed:
+            return 2 * (2 * rows * i * r_a + 2 * rows * r_a * r_g)
+        return (
+            2 * rows * i * r_a
+            + 2 * r_g * rows * r_a
+            + 2 * r_g * rows * i
+            + 2 * r_g * r_a * i
+            + 2 * rows * i * (r_g + r_a)
+        )
+
+    def traffic(self, rows: float) -> float:
+        """HBM bytes of one correction of `rows` of this weight."""
+        return (TAILED_BYTES if self.tailed else UNTAILED_BYTES) * rows * self.in_dim
+
+    def basis_bytes(self, rows: float) -> float:
+        """The bound basis on a process that holds `rows` of U_G: bf16 eigenvectors, float32 eigenvalues and tails."""
+        return 2 * (self.in_dim * self.r_a + rows * self.r_g) + 4 * (self.r_a + self.r_g + 2 * self.tailed)
+
+    def stored_floats(self) -> int:
+        """Floats in the anchor file: U_A, U_G, the eigenvalues, and the tails when truncated."""
+        return (self.in_dim + 1) * self.r_a + (self.out_dim + 1) * self.r_g + 2 * self.tailed
+
+    def reduced_bytes(self) -> float:
+        """What FSDP2's row shards all-reduce per step: P, with a tail N and the norms."""
+        if not self.tailed:
+            return 4 * self.r_g * self.r_a
+        return 4 * (self.r_g * self.r_a + self.r_g * self.in_dim) + 8 * (self.r_a + 1)
 
 
 @dataclass
-class Tally:
-    """Per-rank sums over a model's trainable weights."""
+class Model:
+    """A model's parameters, as the plan sees them."""
 
-    params: float = 0.0  # parameters held by one rank
-    diagonal_params: float = 0.0  # of them, those that keep a diagonal F under a K-FAC anchor
-    basis_floats: float = 0.0  # K-FAC eigenvectors and eigenvalues held by one rank
-    kfac_flops: float = 0.0  # one K-FAC correction's FLOPs on one rank
-    reduce_floats: float = 0.0  # the rotated blocks all-reduced per step
-    owned_floats: float = 0.0  # full bases of every K-FAC weight, to be divided among ranks that own whole weights
+    name: str
+    params: int
+    diagonal: dict[str, int]  # name -> size, the parameters with a diagonal F
+    linear_diagonal: list[str]  # 2-D Linear weights left diagonal (a tied lm_head); none for its width
+    shapes: list[tuple[str, int, int]] = field(default_factory=list)  # the factored weights: name, out, in
+
+    def weights(self, kfac_rank: int | None) -> list[Weight]:
+        """The factored weights with the eigenpairs an estimate with `kfac_rank` keeps (None: all of a formed
+        factor, `WIDE_RANK` of a sketched one)."""
+
+        def kept(dim: int) -> int:
+            if kfac_rank is None:
+                return dim if dim <= MAX_FORMED_DIMENSION else min(WIDE_RANK, dim)
+            return min(kfac_rank, dim)
+
+        return [Weight(name, out, i, kept(i), kept(out)) for name, out, i in self.shapes]
 
 
-def tally(name: str, ranks: int, kfac_rank: int | None) -> Tally:
-    """Walk the model's Linear weights and other parameters (meta device: no memory is used)."""
+def load(name: str) -> Model:
+    """The model's shapes (meta device: no memory is used)."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(SHAPES[name])
-    counted = Tally()
-    kfac_weights = set()
-    for module in model.modules():
-        if kfac_kind(module) is None:
-            continue
-        out_dim, in_dim = module.weight.shape
-        kfac_weights.add(id(module.weight))
-        rows = out_dim / ranks
-        r_a, r_g = min(kfac_rank or in_dim, in_dim), min(kfac_rank or out_dim, out_dim)
-        counted.basis_floats += in_dim * r_a + r_a + rows * r_g + r_g
-        counted.kfac_flops += 2 * (2 * rows * in_dim * r_a + 2 * rows * r_a * r_g)
-        counted.reduce_floats += r_g * r_a
-        counted.owned_floats += (in_dim * r_a + r_a + out_dim * r_g + r_g) / ranks
-    for p in model.parameters():
-        counted.params += p.numel() / ranks
-        if id(p) not in kfac_weights:
-            counted.diagonal_params += p.numel() / ranks
-    return counted
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    factored = kfac_weights(model, named)
+    shapes = [(n, *p.shape) for n, p in named if n in factored]
+    diagonal = {n: p.numel() for n, p in named if n not in factored}
+    linear_diagonal = [
+        n
+        for module_name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        for n in [f"{module_name}.weight"]
+        if n not in factored
+    ]
+    params = sum(p.numel() for _, p in named)
+    return Model(name, params, diagonal, linear_diagonal, shapes)
+
+
+def batches(weights: list[Weight]) -> list[list[Weight]]:
+    """Like weights (shape and ranks) in batches of up to BATCH, in the model's order (as `protection.kronecker`)."""
+    kinds: dict[tuple, list[Weight]] = {}
+    for w in weights:
+        kinds.setdefault((w.out_dim, w.in_dim, w.r_a, w.r_g), []).append(w)
+    return [same[i : i + BATCH] for same in kinds.values() for i in range(0, len(same), BATCH)]
+
+
+def owners(costs: list[float], processes: int) -> list[int]:
+    """Largest first, each to the least loaded process so far (the rule of `protection.kronecker`)."""
+    loads, owner = [0.0] * processes, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        owner[i] = min(range(processes), key=lambda p: (loads[p], p))
+        loads[owner[i]] += costs[i]
+    return owner
+
+
+@dataclass
+class Cost:
+    """One plan's figures per rank and step (the busiest rank)."""
+
+    theta0: float  # bytes
+    bases: float  # bytes
+    fisher: float  # bytes, the diagonal F of the rest
+    temporaries: float  # bytes, the largest batch's
+    flops: float
+    traffic: float  # HBM bytes
+    communicated: float  # bytes sent and received by one rank
+
+    @property
+    def memory(self) -> float:
+        return self.theta0 + self.bases + self.fisher
+
+    def seconds(self, args: argparse.Namespace) -> tuple[float, float]:
+        """(compute and memory time, communication time)."""
+        compute = self.flops / (args.bf16_tflops * 1e12 * args.efficiency)
+        compute += self.traffic / (args.hbm_tbps * 1e12 * args.efficiency)
+        return compute, self.communicated / (args.link_gbps * 1e9)
+
+
+def fsdp2(model: Model, weights: list[Weight], n: int) -> Cost:
+    diagonal = sum(model.diagonal.values())
+    ring = 2 * (n - 1) / n
+    return Cost(
+        theta0=2 * model.params / n,
+        bases=sum(w.basis_bytes(w.out_dim / n) for w in weights),
+        fisher=4 * diagonal / n,
+        temporaries=max(TEMPORARY_BYTES * sum(w.params for w in b) / n for b in batches(weights)),
+        flops=sum(w.flops(w.out_dim / n) for w in weights),
+        traffic=sum(w.traffic(w.out_dim / n) for w in weights) + DIAGONAL_BYTES * diagonal / n,
+        communicated=ring * sum(w.reduced_bytes() for w in weights),
+    )
+
+
+def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
+    groups = batches(weights)
+    costs = [sum(w.flops(w.out_dim) for w in b) for b in groups]
+    owner = owners(costs, n)
+    busiest = max(range(n), key=lambda p: sum(c for c, o in zip(costs, owner, strict=True) if o == p))
+    owned = [b for b, o in zip(groups, owner, strict=True) if o == busiest]
+    factored = sum(w.params for w in weights)
+    owned_params = sum(w.params for b in owned for w in b)
+    diagonal = sum(model.diagonal.values())
+    return Cost(
+        theta0=2 * model.params,
+        bases=sum(w.basis_bytes(w.out_dim) for w in weights),
+        fisher=4 * diagonal,
+        temporaries=max(TEMPORARY_BYTES * sum(w.params for w in b) for b in groups),
+        flops=sum(w.flops(w.out_dim) for b in owned for w in b),
+        traffic=sum(w.traffic(w.out_dim) for b in owned for w in b)
+        + 10 * (factored - owned_params)
+        + DIAGONAL_BYTES * diagonal,
+        communicated=2 * (n - 1) / n * 2 * factored,
+    )
 
 
 def report(name: str, args: argparse.Namespace) -> None:
-    full, truncated = tally(name, args.ranks, None), tally(name, args.ranks, args.kfac_rank)
-    params = full.params
-    step_s = 6 * params * args.ranks * args.tokens_per_gpu / args.ranks / (args.mfu * args.bf16_tflops * 1e12)
-    bandwidth = args.hbm_tbps * 1e12 * args.efficiency
-    print(f"\n## {name}: {params * args.ranks / 1e9:.2f} B parameters, {params / 1e9:.3f} B per rank of {args.ranks}")
-    print(f"bf16 training step (6 P x {args.tokens_per_gpu} tokens per GPU at {args.mfu:.0%} MFU): {step_s:.2f} s\n")
-    print("| plan | CFP bytes per rank | correction per step | time per step | / training step |")
-    print("|---|---|---|---|---|")
-    for label, per_param, traffic in (("diagonal, F float32", 6, 10), ("diagonal, F bfloat16", 4, 8)):
-        seconds = traffic * params / bandwidth
-        print(
-            f"| {label} | {per_param * params / GB:.1f} GB | {traffic * params / GB:.1f} GB moved | "
-            f"{seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
-        )
-    for label, counted in (
-        (f"K-FAC, full rank (dimensions <= {MAX_DIMENSION})", full),
-        (f"K-FAC, kfac_rank={args.kfac_rank}", truncated),
-    ):
-        memory = 2 * params + 4 * counted.basis_floats + 4 * counted.diagonal_params
-        seconds = counted.kfac_flops / (args.tf32_tflops * 1e12 * args.efficiency)
-        seconds += 10 * counted.diagonal_params / bandwidth
-        communication = 2 * 4 * counted.reduce_floats
-        print(
-            f"| {label} | {memory / GB:.1f} GB | {counted.kfac_flops / 1e12:.1f} TFLOP + "
-            f"{communication / GB:.2f} GB all-reduced | {seconds * 1e3:.1f} ms + comm. | {seconds / step_s:.2%} |"
-        )
-    kfac_params = params - full.diagonal_params
-    memory = 2 * params + 4 * full.owned_floats + 4 * full.diagonal_params
-    seconds = full.kfac_flops / (args.tf32_tflops * 1e12 * args.efficiency) + 10 * full.diagonal_params / bandwidth
+    model, n, r = load(name), args.ranks, args.kfac_rank
+    step_s = 6 * model.params * args.tokens_per_gpu / (args.mfu * args.bf16_tflops * 1e12)
+    ranked, full = model.weights(r), model.weights(None)
+    factored = sum(w.params for w in ranked)
+    diagonal = sum(model.diagonal.values())
+    print(f"\n## {name}: {model.params / 1e9:.2f} B parameters on {n} GPUs")
+    print(f"bf16 training step (6 P x {args.tokens_per_gpu} tokens per GPU at {args.mfu:.0%} MFU): {step_s:.2f} s")
+    wide = sorted(
+        {
+            f"{w.name.split('.')[-2]} {which} ({dim})"
+            for w in ranked
+            for which, dim in (("A", w.in_dim), ("G", w.out_dim))
+            if dim > MAX_FORMED_DIMENSION
+        }
+    )
+    kinds = sorted({".".join(k.split(".")[-2:]) for k in model.diagonal})  # e.g. embed_tokens.weight
     print(
-        f"| K-FAC, full rank, each weight corrected by one owning rank (not implemented) | {memory / GB:.1f} GB | "
-        f"{full.kfac_flops / 1e12:.1f} TFLOP + {2 * 2 * kfac_params / GB:.2f} GB gathered and scattered back | "
-        f"{seconds * 1e3:.1f} ms + comm. | {seconds / step_s:.2%} |"
+        f"factored: {len(ranked)} weights, {factored / 1e9:.2f} B parameters ({factored / model.params:.1%}); "
+        f"diagonal F: {diagonal / 1e9:.2f} B ({', '.join(kinds)}); "
+        f"sketched at estimation (wider than {MAX_FORMED_DIMENSION}): {', '.join(wide) or 'none'}"
+    )
+    left = ", ".join(model.linear_diagonal) or "none"
+    print(
+        f"Linear weights with a diagonal F: {left}. No layer stays diagonal for its width: every 2-D Linear weight "
+        "is factored, an untied lm_head included (by rule only a tied lm_head, an embedding lookup too, keeps its "
+        f"diagonal F). Stored at rank {r}: {sum(w.stored_floats() for w in ranked) / factored:.4f} floats per "
+        f"factored parameter (kfac_rank=None: {sum(w.stored_floats() for w in full) / factored:.2f})\n"
+    )
+    print(
+        "| plan | theta0 | bases | diagonal F | CFP bytes per rank | temporaries | correction FLOPs | HBM traffic "
+        "| communicated per rank | time per step | / training step |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, f_bytes in (("FSDP2, diagonal anchor, F float32", 4), ("FSDP2, diagonal anchor, F bfloat16", 2)):
+        seconds = (6 + f_bytes) * model.params / n / (args.hbm_tbps * 1e12 * args.efficiency)
+        memory = (2 + f_bytes) * model.params / n
+        print(
+            f"| {label} | {2 * model.params / n / GB:.1f} GB | - | {f_bytes * model.params / n / GB:.1f} GB "
+            f"| {memory / GB:.1f} GB | - | - | {(6 + f_bytes) * model.params / n / GB:.1f} GB | - "
+            f"| {seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
+        )
+    results = {}
+    for plan, fn in (("fsdp2", fsdp2), ("ddp", ddp)):
+        for label, weights, key in ((f"K-FAC rank {r} + tails", ranked, ""), ("K-FAC kfac_rank=None", full, "full_")):
+            cost = fn(model, weights, n)
+            compute, comm = cost.seconds(args)
+            share = (compute + comm) / step_s
+            weights_bytes = 2 * model.params / (n if plan == "fsdp2" else 1)  # the rank's bf16 weights
+            over = cost.memory + weights_bytes > args.hbm_gb * GB
+            fits = f" (with the weights' {weights_bytes / GB:.0f} GB: over HBM)" if over else ""
+            print(
+                f"| {plan.upper()}, {label}{fits} | {cost.theta0 / GB:.1f} GB | {cost.bases / GB:.2f} GB "
+                f"| {cost.fisher / GB:.2f} GB | {cost.memory / GB:.1f} GB | {cost.temporaries / GB:.1f} GB "
+                f"| {cost.flops / 1e12:.2f} TFLOP | {cost.traffic / GB:.1f} GB | {cost.communicated / GB:.2f} GB "
+                f"| {compute * 1e3:.1f} + {comm * 1e3:.1f} ms | {share:.2%} |"
+            )
+            results.update(
+                {
+                    f"{key}{plan}_gb_per_rank": cost.memory / GB,
+                    f"{key}{plan}_tflop_per_rank": cost.flops / 1e12,
+                    f"{key}{plan}_comm_gb_per_rank": cost.communicated / GB,
+                    f"{key}{plan}_step_share": share,
+                }
+            )
+    print(
+        f"RESULT model={name} gpus={n} kfac_rank={r} linear_weights_diagonal={len(model.linear_diagonal)} "
+        f"factored_share={factored / model.params:.4f} " + " ".join(f"{k}={v:.3g}" for k, v in results.items())
     )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, default=8)
-    parser.add_argument("--kfac-rank", type=int, default=256, help="eigenpairs kept per factor in the truncated row")
+    parser.add_argument("--ranks", type=int, default=8, help="GPUs (processes)")
+    parser.add_argument("--kfac-rank", type=int, default=64, help="R: eigenpairs kept per factor, with tails")
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per optimizer step per GPU")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization of the training step")
     parser.add_argument("--bf16-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM)")
-    parser.add_argument("--tf32-tflops", type=float, default=495.0, help="dense TF32 peak (H100 SXM)")
     parser.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth, TB/s (H100 SXM)")
+    parser.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per GPU, GB (H100 SXM)")
+    parser.add_argument("--link-gbps", type=float, default=360.0, help="collective bus bandwidth, GB/s (NVLink)")
     parser.add_argument("--efficiency", type=float, default=0.7, help="share of peak the correction reaches")
     args = parser.parse_args(argv)
-    for name in SHAPES:
+    print(
+        f"Assumed per GPU: dense bf16 {args.bf16_tflops:g} TFLOP/s, HBM {args.hbm_tbps:g} TB/s, {args.hbm_gb:g} GB, "
+        f"both at {args.efficiency:.0%}; collectives at {args.link_gbps:g} GB/s; training at {args.mfu:.0%} MFU. "
+        "Correction time = FLOPs + HBM traffic + communication, no overlap (computed, not measured)."
+    )
+    for name in args.models:
         report(name, args)
 
 

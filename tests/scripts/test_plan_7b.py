@@ -1,0 +1,45 @@
+"""scripts/plan_7b.py on Llama-3-8B's shape (meta device, seconds): every Linear weight factored, its RESULT line,
+and the correction's FLOPs against a count of the products of `ops.kfac`."""
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[2] / "scripts" / "plan_7b.py"
+
+
+def load_plan():
+    spec = importlib.util.spec_from_file_location("plan_7b", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_3_8b_factors_every_linear_weight_and_prints_its_result(capsys):
+    plan = load_plan()
+    plan.main(["--models", "Llama-3-8B", "--kfac-rank", "64"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("RESULT ")]
+    assert len(lines) == 1
+    result = dict(item.split("=", 1) for item in lines[0].split()[1:])
+    assert result["model"] == "Llama-3-8B" and result["kfac_rank"] == "64"
+    assert result["linear_weights_diagonal"] == "0"
+    assert float(result["fsdp2_gb_per_rank"]) < float(result["full_fsdp2_gb_per_rank"])
+    assert float(result["fsdp2_comm_gb_per_rank"]) < float(result["full_fsdp2_comm_gb_per_rank"])
+    model = plan.load("Llama-3-8B")
+    assert len(model.shapes) == 32 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied lm_head
+    assert not [n for n in model.diagonal if n.endswith("proj.weight") or n == "lm_head.weight"]
+
+
+def test_tailed_flops_count_the_products_of_the_correction():
+    plan = load_plan()
+    rows, in_dim, out_dim, r = 3, 7, 5, 2
+    w = plan.Weight("w", out_dim, in_dim, r, r)
+    products = [
+        (rows, in_dim, r),  # M = D U_A
+        (r, rows, r),  # P = U_G^T M
+        (r, rows, in_dim),  # N = U_G^T D
+        (r, r, in_dim),  # core U_A^T
+        (rows, 2 * r, in_dim),  # [U_G, M'] [N'; U_A^T]
+    ]
+    assert w.tailed and w.flops(rows) == sum(2 * a * b * c for a, b, c in products)
+    full = plan.Weight("w", out_dim, in_dim, in_dim, out_dim)
+    assert not full.tailed and full.flops(rows) == 2 * (2 * rows * in_dim * in_dim + 2 * rows * in_dim * out_dim)
