@@ -11,10 +11,15 @@
 #      the batched engine and of the per-sequence loop, and the peak CUDA memory
 #   5. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
 #      option): CPU figures of this machine, to set beside the CPU table of docs/reports/performance.md.
-#   6. scripts/bench_kfac.py --device cuda: K-FAC estimate vs diagonal, the K-FAC correction (full rank and rank
-#      64) vs an AdamW step, the factors' floats per parameter
-#   7. scripts/plan_7b.py: the paper-plan for 7-8B models on 8 GPUs (computed, not measured; seconds)
-# Each step is capped (580 s in all, under the 10 minutes of one device call; about 5 minutes expected). Then a
+#   6. scripts/bench_kfac.py --device cuda --rounds 2 --threads 8: the K-FAC estimate (full rank, and rank 64 with its tails)
+#      vs the diagonal one; the K-FAC correction (full rank; rank 64 with tails, and with a zero tail; rank 64 of
+#      the factored weights alone) vs an AdamW step; floats per parameter (full; rank 64, factored weights). Its
+#      RESULT line carries the kfac_rank64_* keys of issue 30 and its tables are printed in the SUMMARY. The
+#      eigendecompositions run on the CPU (float64), hence 8 threads; two K-FAC estimates a round, hence 2 rounds
+#      (about 30 s of eigendecompositions per K-FAC estimate expected: 2 minutes or more in all).
+#   7. scripts/plan_7b.py: the paper-plan for Qwen2.5-7B, Llama-3-8B and Llama-3-70B on 8 GPUs, FSDP2 and DDP, rank
+#      64 with tails beside kfac_rank=None (computed, not measured; seconds); its RESULT lines in the SUMMARY
+# Each step is capped (580 s in all, under the 10 minutes of one device call; about 6 minutes expected). Then a
 # SUMMARY block with every RESULT line. Optional, with >= 2 GPUs:
 # `scripts/gpu_check.sh --multi-gpu` also runs scripts/multi_gpu_check.py under accelerate launch with each
 # config of scripts/accelerate/ (see the end).
@@ -47,9 +52,9 @@ print("torch", torch.__version__, "| CUDA", torch.version.cuda, "|", torch.cuda.
       "| bf16", torch.cuda.is_bf16_supported(), "| transformers", transformers.__version__)
 PY
 
-step cuda_tests 120 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
+step cuda_tests 100 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
 step bench_memory 120 "$python" scripts/bench_memory.py --device cuda --rounds 5
-step cuda_estimate 100 "$python" - <<'PY'
+step cuda_estimate 90 "$python" - <<'PY'
 import sys
 import time
 
@@ -85,7 +90,7 @@ for engine in ("batched", "loop"):
           f" (135M-shaped bf16, {sequences} sequences x {new_tokens} new tokens, batch 16, sampling included)")
 PY
 step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --models tiny small --batch 16 --max-new-tokens 32 --repeats 2
-step bench_kfac 150 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 3
+step bench_kfac 180 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 2 --threads 8
 step plan_7b 30 "$python" scripts/plan_7b.py
 
 echo; echo "=== SUMMARY (logs in $logs)"
@@ -96,8 +101,9 @@ awk '/^BANDWIDTH/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = k
        100 * v["correction_dense"] / v["copy"], 100 * v["correction_bf16f"] / v["copy"] }' "$logs/bench_memory.log"
 grep -h "^ESTIMATE\|^GENERATE" "$logs/cuda_estimate.log"
 grep -h "^RESULT" "$logs/bench_fisher_cpu.log" | sed 's/^/bench_fisher (CPU) /'
+grep -h "^|" "$logs/bench_kfac.log"
 grep -h "^RESULT" "$logs/bench_kfac.log" | sed 's/^/bench_kfac (cuda) /'
-grep -h "^|" "$logs/plan_7b.log" | head -20
+grep -h "^RESULT" "$logs/plan_7b.log" | sed 's/^/plan_7b /'
 
 # ---------------------------------------------------------------- optional: >= 2 GPUs
 # FSDP and DeepSpeed through accelerate launch, each config's num_processes (2) on one machine. DeepSpeed needs
