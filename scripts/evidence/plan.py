@@ -329,7 +329,7 @@ class Plan:
         first, *others = self.seeds
         arms = self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
         arms += self.truncation_arms() + self.default_arms()
-        first_of = {}
+        first_of: dict[str, Arm] = {}
         for arm in arms:
             first_of.setdefault(arm.key, arm)
         return list(first_of.values())

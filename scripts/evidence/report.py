@@ -252,7 +252,7 @@ def lower_bounds(rows: list[dict], plan: Plan, optimizer: str) -> dict[str, tupl
     bounds = {}
     for label, (kl, _) in found.items():
         points = [cells[(label, c)] for c in plan.sweep_strengths() if (label, c) in cells]
-        if kl is None and reference and all(m[task] < target for m in points):  # type: ignore[operator]
+        if kl is None and reference and all(m[task] < target for m in points):
             furthest = max(points, key=lambda m: m[task])["math/kl"]
             bounds[label] = (furthest, furthest / reference)
     return bounds
@@ -319,7 +319,7 @@ def rank_tail_rule(rows: list[dict], plan: Plan) -> str:
 
     def ratio_everywhere(label: str) -> list[float] | None:
         found = [ratios[o].get(label, (None, None))[1] for o in plan.optimizers]
-        return None if any(r is None for r in found) else found  # type: ignore[return-value]
+        return None if any(r is None for r in found) else found
 
     def passes(label: str) -> bool:
         found = ratio_everywhere(label)
