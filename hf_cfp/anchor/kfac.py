@@ -70,8 +70,9 @@ def with_tails(
     g_tail: torch.Tensor | None,
 ) -> KroneckerBasis:
     """The basis of two factors' (eigenvalues, eigenvectors, tail) as `eigenbasis` gives them; a factor with no
-    tail beside one that has one gets a tail of 0."""
-    if a_tail is None and g_tail is None:
+    tail beside one that has one gets a tail of 0. Tails that are all 0 (`tail="zero"`) give a basis without
+    tails: the same map, by its cheaper path (`ops.kfac`)."""
+    if all(t is None or float(t) == 0 for t in (a_tail, g_tail)):
         return KroneckerBasis(a_vectors, a_values, g_vectors, g_values)
     zero = torch.zeros((), dtype=torch.float32)
     return KroneckerBasis(a_vectors, a_values, g_vectors, g_values, _or(a_tail, zero), _or(g_tail, zero))
