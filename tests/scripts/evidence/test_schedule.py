@@ -19,9 +19,13 @@ from evidence.schedule import anchor_seconds, arm_seconds, remaining  # noqa: E4
 COMMITTED = Path(__file__).resolve().parents[3] / "scripts" / "results" / "evidence-smollm2" / "results.jsonl"
 
 
+BEFORE_SWEEP = 81  # the base row and the 80 arms of issue 25's run, first in the file; the rank and tail sweep follows
+
+
 def committed(whole: bool = False) -> dict[str, dict]:
-    """The committed rows by key: the first run's (the base and the diagonal arms), or with `whole` every row."""
-    rows = [json.loads(line) for line in COMMITTED.read_text().splitlines() if line.strip()]
+    """The committed rows of the run before the rank and tail sweep by key: the first run's (the base and the
+    diagonal arms), or with `whole` all of that run's rows (the sweep's rows, committed as it resumes, left out)."""
+    rows = [json.loads(line) for line in COMMITTED.read_text().splitlines() if line.strip()][:BEFORE_SWEEP]
     return {r["key"]: r for r in rows if whole or "arm" not in r or not is_new(Arm(**r["arm"]))}
 
 
