@@ -51,6 +51,11 @@ class _Batch:
         """The weights now, as out x in views, stacked (a copy)."""
         return torch.stack([t.oriented(t.local()) for t in self.tensors])
 
+    def zeros(self) -> torch.Tensor:
+        """Zeros shaped like `weights()`, without reading the weights."""
+        local = self.tensors[0].oriented(self.tensors[0].local())
+        return local.new_zeros((len(self.tensors), *local.shape))
+
     def theta0(self) -> torch.Tensor:
         return torch.stack([t.oriented(t.theta0) for t in self.tensors])
 
@@ -102,11 +107,13 @@ class _Factored:
         time unless given), written back."""
         corrected = []
         for i, batch in enumerate(self.batches):
+            if not self.owned[i]:  # another process corrects it: zeros in the all-reduce
+                corrected.append(batch.zeros())
+                continue
             weights = batch.weights()
-            if self.owned[i]:
-                r = rotated[i] if rotated is not None else self.rotated(batch, weights)
-                kfac_pull_([weights], [batch.theta0()], [batch.basis], lam, rotated=[r])
-            corrected.append(weights if self.owned[i] else torch.zeros_like(weights))
+            r = rotated[i] if rotated is not None else self.rotated(batch, weights)
+            kfac_pull_([weights], [batch.theta0()], [batch.basis], lam, rotated=[r])
+            corrected.append(weights)
         if self.split:  # the owners' corrected weights reach every process: one all-reduce (zeros elsewhere)
             all_reduce_sum_(corrected)
         for batch, weights in zip(self.batches, corrected, strict=True):
