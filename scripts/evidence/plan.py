@@ -44,11 +44,14 @@ the FULL anchor (`kfac_lam_anchor`):
 - `math_s<pct>`: per factor, the fewest eigenpairs whose eigenvalues hold >= pct% of the factor's trace, the rest
   at their mean (mean tail): a rule that transfers to wider layers, where an absolute rank may not.
 
-First seed, SFT and DPO, every `kfac_strengths` (the strengths of the full-rank `math`), for the ranks
-`kfac_tail_ranks` (both tails) and the shares `kfac_shares`, in this order (an interrupted run keeps what came
-first): the mean-tail ranks at `table_strength`, the zero-tail ranks there (those of `kfac_ranks` ran already),
-the shares there; then the other strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within a
-block: strength, then truncation (ranks ascending), then optimizer, so that each finished point has both.
+First seed, SFT and DPO, for the ranks `kfac_tail_ranks` (both tails) and the shares `kfac_shares`, at every
+`kfac_strengths` (the strengths of the full-rank `math`) and, for the mean tails only, the weaker
+`truncation_strengths` (most mean-tail ranks made a little less task progress than full rank at c = 1, so that
+only a weaker c can bracket full rank's progress), in this order (an interrupted run keeps what decides the default first): the mean-tail
+ranks at `table_strength`, then at `truncation_strengths`; the shares at `table_strength` and
+`truncation_strengths`; the zero-tail ranks at `table_strength` (those of `kfac_ranks` ran already); then the other
+strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within a block: strength, then truncation
+(ranks ascending), then optimizer, so that each finished point has both.
 
 `kfac_default` (None by default: the sweep decides it) names the chosen truncation, e.g. `math_t64`: CFP-KFAC with
 that truncation of the math, code and safety K-FAC anchors (`math_t64`, `code_t64`, `safety_t64`) at
@@ -199,6 +202,7 @@ class Plan:
     # (`math_t<r>`, `math_r<r>`), trace shares in percent (`math_s<pct>`); the chosen truncation's table rows
     kfac_tail_ranks: tuple[int, ...] = ()
     kfac_shares: tuple[int, ...] = ()
+    truncation_strengths: tuple[float, ...] = ()  # c of the mean-tail truncations only, below table_strength
     kfac_default: str | None = None
     # RL arms (none by default): RLOO on the pirate-style prompts, one optimizer per reward
     rl_rewards: tuple[str, ...] = ()
@@ -335,32 +339,32 @@ class Plan:
         return list(first_of.values())
 
     def sweep_strengths(self) -> tuple[float, ...]:
-        """The strengths of the K-FAC sweeps: `table_strength` first, then the other `kfac_strengths` in order."""
-        c = self.table_strength
-        return (c, *(s for s in self.kfac_strengths if s != c)) if self.kfac_strengths else ()
+        """Every strength of the K-FAC sweeps, ascending: `table_strength`, `kfac_strengths` and
+        `truncation_strengths` (none without `kfac_strengths`)."""
+        if not self.kfac_strengths:
+            return ()
+        return tuple(sorted({self.table_strength, *self.kfac_strengths, *self.truncation_strengths}))
 
     def truncation_arms(self) -> list[Arm]:
-        """The rank and tail sweep of CFP-KFAC [math] on the first seed (module docstring): at `table_strength`
-        the mean-tail ranks, the zero-tail ranks and the shares, then at the other strengths the same three
-        groups; per group: strength, truncation, optimizer."""
-        strengths = self.sweep_strengths()
-        if not strengths:
+        """The rank and tail sweep of CFP-KFAC [math] on the first seed, in the blocks of the module docstring;
+        per block: strength, truncation, optimizer."""
+        if not self.kfac_strengths:
             return []
-        groups = (
-            [f"math_t{r}" for r in self.kfac_tail_ranks],
-            [f"math_r{r}" for r in self.kfac_tail_ranks],
-            [f"math_s{pct}" for pct in self.kfac_shares],
-        )
-        seed, arms = self.seeds[0], []
-        for chosen in (strengths[:1], strengths[1:]):
-            for labels in groups:
-                arms += [
-                    Arm(optimizer, "kfac", c, seed, label)
-                    for c in chosen
-                    for label in labels
-                    for optimizer in self.optimizers
-                ]
-        return arms
+        table, weak = (self.table_strength,), self.truncation_strengths
+        others = tuple(s for s in self.kfac_strengths if s != self.table_strength)
+        mean = [f"math_t{r}" for r in self.kfac_tail_ranks]
+        zero = [f"math_r{r}" for r in self.kfac_tail_ranks]
+        shares = [f"math_s{pct}" for pct in self.kfac_shares]
+        blocks = [(table, mean), (weak, mean), (table + weak, shares), (table, zero)]
+        blocks += [(others, mean), (others, zero), (others, shares)]
+        seed = self.seeds[0]
+        return [
+            Arm(optimizer, "kfac", c, seed, label)
+            for strengths, labels in blocks
+            for c in strengths
+            for label in labels
+            for optimizer in self.optimizers
+        ]
 
     def default_arms(self) -> list[Arm]:
         """With `kfac_default` (e.g. `math_t64`): CFP-KFAC with that truncation of the math, code and safety K-FAC
@@ -450,6 +454,7 @@ TINY = Plan(
     kfac_sizes=(4, 16, 32),
     kfac_tail_ranks=(2,),
     kfac_shares=(80,),
+    truncation_strengths=(0.3,),
     kfac_default="math_t2",
     rl_rewards=RL_REWARDS,
     rl_kl_betas=(0.5,),
@@ -485,6 +490,7 @@ EMBEDDED = Plan(
     kfac_sizes=(16, 64, 128),
     kfac_tail_ranks=(8, 16, 32, 64, 128, 256),
     kfac_shares=(50, 80, 90, 95),
+    truncation_strengths=(0.3,),
     rl_rewards=RL_REWARDS,
     rl_kl_betas=(0.05,),
     rl_learning_rate=3e-4,

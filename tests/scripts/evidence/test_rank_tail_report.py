@@ -22,7 +22,7 @@ from evidence.report import (  # noqa: E402
     truncation_labels,
 )
 
-PLAN = replace(EMBEDDED, kfac_tail_ranks=(8, 64), kfac_shares=(90,))
+PLAN = replace(EMBEDDED, kfac_tail_ranks=(8, 64), kfac_shares=(90,), truncation_strengths=())
 
 
 def test_interpolation_is_linear_in_log_kl_between_consecutive_strengths():
@@ -85,6 +85,18 @@ def test_the_ratio_to_full_rank_at_its_task_gain():
     target, found = equal_gain(_rows(), PLAN, "dpo")
     assert target == 20.0 and "math_r64" not in found and found["math_t8"] == (None, None)
     assert found["math_s90"][1] == pytest.approx(1.2)
+
+
+def test_a_weaker_truncation_strength_is_interpolated_with_its_neighbour_in_strength_order():
+    plan = replace(PLAN, truncation_strengths=(0.3,))
+    assert plan.sweep_strengths() == (0.3, 1.0, 10.0, 100.0)
+    rows = _rows() + [_row("sft", 0.3, "math_t64", 4.5, 16.0)]  # c = 0.3 and c = 1 bracket 3 no more than before
+    rows += [_row("sft", 0.3, "math_r8", 2.0, 4.0)]  # (2, 4) then (4, 16.6): at 3, sqrt(4 * 16.6)
+    _, found = equal_gain(rows, plan, "sft")
+    assert found["math_t64"][0] == pytest.approx(2.0)  # still c = 1 and c = 10: sqrt(4 * 1)
+    assert found["math_r8"][0] == pytest.approx(math.sqrt(4 * 16.6))
+    header = rank_tail_table(rows, plan, "sft").splitlines()[0]
+    assert header.startswith("| SFT truncation | floats/param | c=0.3 math KL | c=0.3 task/sft_gain | c=1 math KL")
 
 
 def test_the_table_has_a_row_per_truncation_and_dashes_for_what_did_not_run():

@@ -69,15 +69,17 @@ def test_the_sweep_comes_after_every_committed_arm_in_the_order_an_interrupted_r
     ran = {"sft/kfac[math_r8]@1/seed0", "dpo/kfac[math_r8]@1/seed0", "sft/kfac[math_r64]@1/seed0"}
     ran.add("dpo/kfac[math_r64]@1/seed0")
     assert ran <= set(committed)
-    expected = _block(mean, (1,)) + [k for k in _block(zero, (1,)) if k not in ran] + _block(share, (1,))
+    expected = _block(mean, (1,)) + _block(mean, (0.3,)) + _block(share, (1, 0.3))
+    expected += [k for k in _block(zero, (1,)) if k not in ran]
     expected += _block(mean, (10, 100)) + _block(zero, (10, 100)) + _block(share, (10, 100))
-    assert keys[80:] == expected and len(expected) == 92  # 6 ranks x 2 tails + 4 shares, x 3 c x 2, less 4 run
+    assert keys[80:] == expected and len(expected) == 112  # (6 x 2 tails + 4 shares) x 3 c + (6 + 4) at 0.3, x 2, less 4
     # spelled out at the block boundaries
     assert keys[80:83] == ["sft/kfac[math_t8]@1/seed0", "dpo/kfac[math_t8]@1/seed0", "sft/kfac[math_t16]@1/seed0"]
-    assert keys[92:94] == ["sft/kfac[math_r16]@1/seed0", "dpo/kfac[math_r16]@1/seed0"]
-    assert keys[100:102] == ["sft/kfac[math_s50]@1/seed0", "dpo/kfac[math_s50]@1/seed0"]
-    assert keys[108] == "sft/kfac[math_t8]@10/seed0" and keys[120] == "sft/kfac[math_t8]@100/seed0"
-    assert keys[132] == "sft/kfac[math_r8]@10/seed0" and keys[156] == "sft/kfac[math_s50]@10/seed0"
+    assert keys[92:94] == ["sft/kfac[math_t8]@0.3/seed0", "dpo/kfac[math_t8]@0.3/seed0"]
+    assert keys[104:106] == ["sft/kfac[math_s50]@1/seed0", "dpo/kfac[math_s50]@1/seed0"]
+    assert keys[112] == "sft/kfac[math_s50]@0.3/seed0" and keys[120] == "sft/kfac[math_r16]@1/seed0"
+    assert keys[128] == "sft/kfac[math_t8]@10/seed0" and keys[140] == "sft/kfac[math_t8]@100/seed0"
+    assert keys[152] == "sft/kfac[math_r8]@10/seed0" and keys[176] == "sft/kfac[math_s50]@10/seed0"
     assert keys[-1] == "dpo/kfac[math_s95]@100/seed0"
     sweep = EMBEDDED.arms()[80:]
     assert all(is_new(arm) and EMBEDDED.logging_steps(arm) == EMBEDDED.steps for arm in sweep)
@@ -134,8 +136,11 @@ def test_the_tiny_plan_exercises_every_new_kind():
     keys = {arm.key for arm in TINY.arms()}
     for label in ("math_t2", "math_r2", "math_s80"):
         assert {f"{o}/kfac[{label}]@{c}/seed0" for o in ("sft", "dpo") for c in (1, 10)} <= keys
+    for label in ("math_t2", "math_s80"):  # the weaker strength: mean tails only
+        assert {f"{o}/kfac[{label}]@0.3/seed0" for o in ("sft", "dpo")} <= keys
+    assert not any("math_r2]@0.3" in key for key in keys)
     assert {f"{o}/kfac[{d}_t2]@1/seed{s}" for o in ("sft", "dpo") for d in DOMAINS for s in TINY.seeds} <= keys
-    assert len(TINY.arms()) == 94 + 10 + 16  # issue 25's, the sweep's, the default's
+    assert len(TINY.arms()) == 94 + 14 + 16  # issue 25's, the sweep's (4 at c = 0.3), the default's
 
 
 # --- the truncated anchors, against the full factors' eigenvalues computed here ---
