@@ -47,8 +47,8 @@ the FULL anchor (`kfac_lam_anchor`):
 First seed, SFT and DPO, for the ranks `kfac_tail_ranks` (both tails) and the shares `kfac_shares`, at every
 `kfac_strengths` (the strengths of the full-rank `math`) and, for the mean tails only, the weaker
 `truncation_strengths` (most mean-tail ranks made a little less task progress than full rank at c = 1, so that
-only a weaker c can bracket full rank's progress), in this order (an interrupted run keeps what decides the default first): the mean-tail
-ranks at `table_strength`, then at `truncation_strengths`; the shares at `table_strength` and
+only a weaker c can bracket full rank's progress), in this order (an interrupted run keeps what decides the default
+first): the mean-tail ranks at `table_strength`, then at `truncation_strengths`; the shares at `table_strength` and
 `truncation_strengths`; the zero-tail ranks at `table_strength` (those of `kfac_ranks` ran already); then the other
 strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within a block: strength, then truncation
 (ranks ascending), then optimizer, so that each finished point has both.

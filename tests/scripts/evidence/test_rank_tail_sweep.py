@@ -72,7 +72,7 @@ def test_the_sweep_comes_after_every_committed_arm_in_the_order_an_interrupted_r
     expected = _block(mean, (1,)) + _block(mean, (0.3,)) + _block(share, (1, 0.3))
     expected += [k for k in _block(zero, (1,)) if k not in ran]
     expected += _block(mean, (10, 100)) + _block(zero, (10, 100)) + _block(share, (10, 100))
-    assert keys[80:] == expected and len(expected) == 112  # (6 x 2 tails + 4 shares) x 3 c + (6 + 4) at 0.3, x 2, less 4
+    assert keys[80:] == expected and len(expected) == 112  # ((6 x 2 + 4) x 3 c + (6 + 4) at 0.3) x 2, less 4
     # spelled out at the block boundaries
     assert keys[80:83] == ["sft/kfac[math_t8]@1/seed0", "dpo/kfac[math_t8]@1/seed0", "sft/kfac[math_t16]@1/seed0"]
     assert keys[92:94] == ["sft/kfac[math_t8]@0.3/seed0", "dpo/kfac[math_t8]@0.3/seed0"]
