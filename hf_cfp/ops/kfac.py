@@ -18,9 +18,11 @@ by 1 / (1 + lam eigenvalue); with the pulled shares w = lam e / (1 + lam e) of e
 
     shrink = w_tt D + U_G [(w_kt - w_tt) N + ((w_kk - w_kt - w_tk + w_tt) P) U_A^T] + [(w_tk - w_tt) M] U_A^T
 
-(w_kt broadcast down the rows, w_tk across the columns): 4 products of out x in x r FLOPs each. Without a tail
-(rho = 0: full factors, or a truncation that treats the rest as free) only the kept block pulls,
-shrink = U_G [w_kk P] U_A^T, and that is what is computed.
+(w_kt broadcast down the rows, w_tk across the columns). It is applied as theta <- lerp(theta, theta0, w_tt) - L R
+with L = [U_G, (w_tk - w_tt) M] and R = [(w_kt - w_tt) N + (...) U_A^T ; U_A^T] (`shrink_factors`), the product
+added into the weight without being formed: with the projection's two products, 4 out x in x r multiply-adds and
+no copy of D. Without a tail (rho = 0: full factors, or a truncation that treats the rest as free) only the kept
+block pulls, shrink = U_G [w_kk P] U_A^T, and that is what is computed.
 
 Under row sharding (FSDP2 splits W along its first dimension) a process holds rows of W, of D and of U_G: M is
 complete for its rows, P and N are partial sums over them, completed by `reduce` (an all-reduce across processes)
@@ -32,7 +34,7 @@ rotations multiply in the eigenvectors' dtype (bfloat16 bases for bfloat16 weigh
 of the rotated displacement, is at or below the weights' own), everything else in float32.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -159,13 +161,8 @@ class KroneckerBasis:
         columns = d @ self.a_vectors  # M = D U_A, the rows held here
         kept = (self.g_vectors.transpose(-2, -1) @ columns).float()
         rows = (self.g_vectors.transpose(-2, -1) @ d).float()  # N = U_G^T D
-        norms = torch.cat(
-            [
-                columns.float().square().sum(-2, dtype=torch.float64),
-                delta.float().square().sum((-2, -1)).double()[..., None],
-            ],
-            dim=-1,
-        )
+        total = torch.linalg.vector_norm(delta.float(), dim=(-2, -1)).double().square()  # faster than dtype=
+        norms = torch.cat([columns.float().square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
         return Projection(kept, rows, columns.float(), norms)
 
 
@@ -208,17 +205,25 @@ class Projection:
         ]
 
 
+def projected(
+    displacements: Iterable[torch.Tensor], bases: Sequence[KroneckerBasis], reduce: Reduce = _no_reduce
+) -> list[Projection]:
+    """The projections of the displacements D_k (the rows held here) onto their bases, complete (one `reduce` for
+    all); each D_k is read once, so an iterator holds one at a time."""
+    with torch.no_grad():
+        projections = [basis.project(delta) for delta, basis in zip(displacements, bases, strict=True)]
+    reduce([t for projection in projections for t in projection.partials()])
+    return projections
+
+
 def rotated_displacements(
     params: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
     reduce: Reduce = _no_reduce,
 ) -> list[Projection]:
-    """The projections of theta_k - theta0_k for every weight, complete (one `reduce` for all)."""
-    with torch.no_grad():
-        projections = [basis.project(p - t) for p, t, basis in zip(params, theta0, bases, strict=True)]
-    reduce([t for projection in projections for t in projection.partials()])
-    return projections
+    """The projections of theta_k - theta0_k for every weight, complete (`projected`, one D_k at a time)."""
+    return projected((p - t for p, t in zip(params, theta0, strict=True)), bases, reduce)
 
 
 def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
@@ -227,21 +232,45 @@ def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
     return strength.div_(strength + 1.0)
 
 
-def shrink(basis: KroneckerBasis, projection: Projection, delta: torch.Tensor | None, lam: float) -> torch.Tensor:
-    """What the correction subtracts from the proposal (module docstring), float32, the rows held here; `delta`
-    (the proposal's D) is read with a tail only."""
+def shrink_factors(
+    basis: KroneckerBasis, projection: Projection, lam: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L, R, w_tt) with shrink = L R + w_tt D (module docstring), in the eigenvectors' dtype, the rows held here:
+    L = [U_G, (w_tk - w_tt) M] (rows x (r_G + r_A)), R = [(w_kt - w_tt) N + (core P) U_A^T ; U_A^T]; without a
+    tail L = U_G (w_kk P) (rows x r_A), R = U_A^T and w_tt None."""
     shares = [pulled_share(w, lam) for w in basis.block_weights()]
+    dtype, a_t = basis.a_vectors.dtype, basis.a_vectors.transpose(-2, -1)
     if not basis.tailed:
-        return basis.unrotate(projection.kept * shares[0])
-    assert delta is not None and projection.rows is not None and projection.columns is not None
+        return basis.g_vectors @ (projection.kept * shares[0]).to(dtype), a_t, None
+    assert projection.rows is not None and projection.columns is not None
     kk, kt, tk, tt = shares
-    kt, tk, tt = kt - tt.unsqueeze(-1), tk - tt.unsqueeze(-1), tt[..., None, None]
-    core = (kk - kt.unsqueeze(-1) - tk.unsqueeze(-2) - tt) * projection.kept
-    dtype = basis.a_vectors.dtype
-    left = (kt.unsqueeze(-1) * projection.rows).to(dtype) + core.to(dtype) @ basis.a_vectors.transpose(-2, -1)
-    right = (tk.unsqueeze(-2) * projection.columns).to(dtype)
-    both = torch.cat([basis.g_vectors, right], dim=-1) @ torch.cat([left, basis.a_vectors.transpose(-2, -1)], dim=-2)
-    return both.float().add_(delta.float() * tt)
+    kt, tk = kt - tt.unsqueeze(-1), tk - tt.unsqueeze(-1)
+    core = (kk - kt.unsqueeze(-1) - tk.unsqueeze(-2) - tt[..., None, None]) * projection.kept
+    rows = (kt.unsqueeze(-1) * projection.rows).to(dtype) + core.to(dtype) @ a_t
+    columns = (tk.unsqueeze(-2) * projection.columns).to(dtype)
+    return torch.cat([basis.g_vectors, columns], dim=-1), torch.cat([rows, a_t], dim=-2), tt
+
+
+def subtract_shrink_(
+    param: torch.Tensor,
+    start: torch.Tensor | None,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    tail_share: torch.Tensor | None,
+) -> None:
+    """In place: theta <- theta - (L R + w_tt (theta - theta0)) = lerp(theta, theta0, w_tt) - L R
+    (`shrink_factors`; one weight or one stack), in float32, rounded once to the parameter's dtype; the product
+    is added into the weights without being formed when its dtype is theirs."""
+    work = param.float()  # the parameter itself when it is float32
+    if tail_share is not None:
+        assert start is not None, "a basis with a tail pulls toward theta0: pass it"
+        work.lerp_(start.float(), tail_share[..., None, None])
+    if left.dtype == work.dtype:
+        (work.baddbmm_ if work.dim() == 3 else work.addmm_)(left, right, alpha=-1)
+    else:
+        work.sub_((left @ right).float())
+    if work is not param:
+        param.copy_(work)
 
 
 def kfac_pull_(
@@ -252,11 +281,11 @@ def kfac_pull_(
     rotated: Sequence[Projection] | None = None,
     reduce: Reduce = _no_reduce,
 ) -> None:
-    """In place, on every weight: theta <- theta - shrink (`shrink`: the exact proximal map of (lam / 2)
-    tr(X^T G_r X A_r) at D = theta - theta0), computed in float32 and rounded once to each parameter's dtype.
-    `rotated`: the projections of these proposals already computed (the KL budget's solve computes them first);
-    by default computed here. `theta0` is read to form them, and with a tail for D. Temporaries: a few tensors the
-    size of one weight (of one stack of weights)."""
+    """In place, on every weight: theta <- theta - shrink, the exact proximal map of (lam / 2) tr(X^T G_r X A_r)
+    at D = theta - theta0 (`shrink_factors`, `subtract_shrink_`). `rotated`: the projections of these proposals
+    already computed (the KL budget's solve computes them first); by default computed here. `theta0` is read to
+    form them, and with a tail for the pull of the tail x tail block. Temporaries: the displacement of one weight
+    (of one stack of weights), and less than it with a float32 weight."""
     if lam == 0:
         return
     with torch.no_grad():
@@ -264,35 +293,35 @@ def kfac_pull_(
             assert theta0 is not None, "kfac_pull_ needs theta0 or the rotated proposals"
             rotated = rotated_displacements(params, theta0, bases, reduce)
         for k, (param, basis, projection) in enumerate(zip(params, bases, rotated, strict=True)):
-            delta = param.float() - theta0[k].float() if basis.tailed and theta0 is not None else None
-            param.copy_(param.float().sub_(shrink(basis, projection, delta, lam)))
+            left, right, tail_share = shrink_factors(basis, projection, lam)
+            subtract_shrink_(param, theta0[k] if theta0 is not None else None, left, right, tail_share)
 
 
 def kfac_drift_squares(
-    params: Sequence[torch.Tensor],
-    theta0: Sequence[torch.Tensor],
+    displacements: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
     threshold: float,
     reduce: Reduce = _no_reduce,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drift of K-FAC weights in their blocks of eigen-directions, as float64 sums on the CPU:
+    """The drift of K-FAC weights (their displacements D = theta - theta0, the rows held here) in their blocks of
+    eigen-directions, as float64 sums on the CPU:
 
-    (complete [sum e s, -(sum of s over e > threshold)], local [sum Delta^2])
+    (complete [sum e s, -(sum of s over e > threshold)], local [sum D^2])
 
     over the blocks' eigenvalues e and squared coordinates s (`KroneckerBasis.block_weights`,
     `Projection.squares`). The first pair is complete on every process (from the reduced projections); the local
     sum runs over the rows held here and must be added across processes. The free drift^2 over these weights, the
-    squared coordinates whose eigenvalue is <= threshold, is then complete[1] + sum Delta^2: the blocks split
-    |Delta|^2, and the coordinates outside a basis without a tail have eigenvalue 0."""
-    projections = rotated_displacements(params, theta0, bases, reduce)
+    squared coordinates whose eigenvalue is <= threshold, is then complete[1] + sum D^2: the blocks split
+    |D|^2, and the coordinates outside a basis without a tail have eigenvalue 0."""
+    projections = projected(displacements, bases, reduce)
     sums = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
-        for param, start, basis, projection in zip(params, theta0, bases, projections, strict=True):
+        for delta, basis, projection in zip(displacements, bases, projections, strict=True):
             sensitive = above = torch.zeros((), dtype=torch.float64, device=projection.kept.device)
             for weights, squares in zip(basis.block_weights(), projection.squares(), strict=True):
                 sensitive = sensitive + torch.mul(squares, weights).sum(dtype=torch.float64)
                 above = above + torch.where(weights > threshold, squares, 0.0).sum(dtype=torch.float64)
-            local = (param.float() - start.float()).square().sum(dtype=torch.float64)
+            local = torch.linalg.vector_norm(delta.float()).double().square()
             sums.append(torch.stack([sensitive, -above, local]))
     total = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
     return total[:2], total[2:]

@@ -23,8 +23,9 @@ from ..ops.kfac import (
     Projection,
     kfac_budget_terms,
     kfac_drift_squares,
-    kfac_pull_,
-    rotated_displacements,
+    projected,
+    shrink_factors,
+    subtract_shrink_,
 )
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from .memory import MemoryPlan
@@ -36,7 +37,8 @@ BATCH = 8  # weights of one shape rotated together: batched products (on a GPU, 
 class _Batch:
     """Up to BATCH weights of one anchor with one shape, dtype and device: their bases stacked (n x ...), in the
     weights' dtype for bfloat16 / float16 weights (float32 otherwise); each tracked tensor's basis becomes a view
-    of its slice, so the bases are held once. The weights and theta0 are stacked per use (a copy of n weights)."""
+    of its slice, so the bases are held once. Their displacements are stacked per use (n weights' worth); each
+    weight is corrected in place."""
 
     def __init__(self, anchor: str, tensors: list[TrackedTensor]):
         self.tensors = tensors
@@ -47,22 +49,18 @@ class _Batch:
         for i, t in enumerate(tensors):
             t.kfac[anchor] = self.basis[i]
 
-    def weights(self) -> torch.Tensor:
-        """The weights now, as out x in views, stacked (a copy)."""
-        return torch.stack([t.oriented(t.local()) for t in self.tensors])
+    def weights(self) -> list[torch.Tensor]:
+        """The weights now, as out x in views of what this process holds."""
+        return [t.oriented(t.local()) for t in self.tensors]
 
-    def zeros(self) -> torch.Tensor:
-        """Zeros shaped like `weights()`, without reading the weights."""
-        local = self.tensors[0].oriented(self.tensors[0].local())
-        return local.new_zeros((len(self.tensors), *local.shape))
-
-    def theta0(self) -> torch.Tensor:
-        return torch.stack([t.oriented(t.theta0) for t in self.tensors])
-
-    def write(self, stacked: torch.Tensor) -> None:
-        """Each weight <- its slice of `stacked`."""
-        for t, value in zip(self.tensors, stacked, strict=True):
-            t.oriented(t.local()).copy_(value)
+    @torch.no_grad()
+    def displacements(self) -> torch.Tensor:
+        """theta - theta0 of every weight, stacked (n x out x in) in the bases' dtype."""
+        weights = self.weights()
+        stacked = weights[0].new_empty((len(weights), *weights[0].shape), dtype=self.basis.a_vectors.dtype)
+        for t, weight, delta in zip(self.tensors, weights, stacked, strict=True):
+            torch.sub(weight, t.oriented(t.theta0), out=delta)
+        return stacked
 
 
 class _Factored:
@@ -95,36 +93,34 @@ class _Factored:
         if self.sharded and partials:
             all_reduce_sum_(partials)
 
-    @torch.no_grad()
-    def rotated(self, batch: _Batch, weights: torch.Tensor | None = None) -> Projection:
+    def rotated(self, batch: _Batch) -> Projection:
         """The projection of theta - theta0 of one batch now (`ops.kfac.Projection`, n stacked), complete."""
-        weights = batch.weights() if weights is None else weights
-        return rotated_displacements([weights], [batch.theta0()], [batch.basis], self.reduce)[0]
+        return projected([batch.displacements()], [batch.basis], self.reduce)[0]
 
     @torch.no_grad()
     def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
-        """Every batch pulled from its projected proposal (`ops.kfac.kfac_pull_`; projected here one batch at a
-        time unless given), written back."""
-        corrected = []
+        """Every weight pulled in place from its batch's projected proposal (`ops.kfac.shrink_factors`,
+        `subtract_shrink_`; projected here one batch at a time unless given). Under DDP a process zeroes the
+        weights of the batches others own, and one all-reduce brings every weight the owner's value."""
         for i, batch in enumerate(self.batches):
-            if not self.owned[i]:  # another process corrects it: zeros in the all-reduce
-                corrected.append(batch.zeros())
+            if not self.owned[i]:
+                for weight in batch.weights():
+                    weight.zero_()
                 continue
-            weights = batch.weights()
-            r = rotated[i] if rotated is not None else self.rotated(batch, weights)
-            kfac_pull_([weights], [batch.theta0()], [batch.basis], lam, rotated=[r])
-            corrected.append(weights)
-        if self.split:  # the owners' corrected weights reach every process: one all-reduce (zeros elsewhere)
-            all_reduce_sum_(corrected)
-        for batch, weights in zip(self.batches, corrected, strict=True):
-            batch.write(weights)
+            r = rotated[i] if rotated is not None else self.rotated(batch)
+            left, right, tail_share = shrink_factors(batch.basis, r, lam)
+            for j, (t, weight) in enumerate(zip(batch.tensors, batch.weights(), strict=True)):
+                tail = None if tail_share is None else tail_share[j]
+                subtract_shrink_(weight, t.oriented(t.theta0), left[j], right[j], tail)
+        if self.split:
+            all_reduce_sum_([t.local() for batch in self.batches for t in batch.tensors])
 
     @torch.no_grad()
     def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(complete, local) `ops.kfac.kfac_drift_squares` over every batch."""
         complete, local = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         for b in self.batches:
-            found = kfac_drift_squares([b.weights()], [b.theta0()], [b.basis], threshold, self.reduce)
+            found = kfac_drift_squares([b.displacements()], [b.basis], threshold, self.reduce)
             complete, local = complete + found[0], local + found[1]
         return complete, local
 
@@ -290,9 +286,7 @@ def adapted_kronecker_squares(adapted: Sequence[AdaptedTensor], views: Mapping[s
     for v, (name, view) in enumerate(views.items()):
         for record in (a for a in adapted if name in a.kfac):
             delta = record.weight.in_factor_orientation(record.weight.displacement())
-            complete, local = kfac_drift_squares(
-                [delta], [torch.zeros_like(delta)], [record.kfac[name]], view.threshold
-            )
+            complete, local = kfac_drift_squares([delta], [record.kfac[name]], view.threshold)
             sums[1 + 2 * v] += complete[0]
             sums[2 + 2 * v] += complete[1] + local[0]
     return sums
