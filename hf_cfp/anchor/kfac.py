@@ -82,11 +82,9 @@ def _or(tail: torch.Tensor | None, zero: torch.Tensor) -> torch.Tensor:
     return zero if tail is None else tail
 
 
-def eigenbasis(
-    name: str, which: str, factor: torch.Tensor, anchor_name: str, rank: int | None, tail: str = "mean"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(eigenvalues, eigenvectors, tail) of one factor, largest first, top `rank`, float32; the tail (0-dim) is
-    None when every eigenpair is kept (`truncated_spectrum`)."""
+def checked_factor(name: str, which: str, factor: torch.Tensor, anchor_name: str) -> torch.Tensor:
+    """`factor` as a symmetric float64 matrix on the CPU ((X + X^T) / 2). Raises AnchorValidationError when it is
+    not a finite symmetric square matrix (its positive semi-definiteness is `eigenbasis`'s to check)."""
     m = torch.as_tensor(factor).detach().to("cpu", torch.float64)
     where = f"Anchor {anchor_name!r}: K-FAC factor {which} of {name!r}"
     if m.dim() != 2 or m.shape[0] != m.shape[1]:
@@ -96,11 +94,21 @@ def eigenbasis(
     scale = float(m.abs().max()) or 1.0
     if float((m - m.T).abs().max()) > _SYMMETRY_TOLERANCE * scale:
         raise AnchorValidationError(f"{where} is not symmetric; a factor is a second moment, sum x x^T.")
-    values, vectors = torch.linalg.eigh((m + m.T) / 2)
+    return (m + m.T) / 2
+
+
+def eigenbasis(
+    name: str, which: str, factor: torch.Tensor, anchor_name: str, rank: int | None, tail: str = "mean"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(eigenvalues, eigenvectors, tail) of one factor, largest first, top `rank`, float32, from its full
+    eigendecomposition; the tail (0-dim) is None when every eigenpair is kept (`truncated_spectrum`). Raises
+    AnchorValidationError for a factor that is not a finite symmetric positive semi-definite square matrix."""
+    m = checked_factor(name, which, factor, anchor_name)
+    values, vectors = torch.linalg.eigh(m)
     if float(values[0]) < -_PSD_TOLERANCE * max(float(values[-1]), 0.0) - 1e-12:
         raise AnchorValidationError(
-            f"{where} is not positive semi-definite (smallest eigenvalue {float(values[0]):.3g}); a factor is a "
-            "second moment, sum x x^T: re-estimate the anchor."
+            f"Anchor {anchor_name!r}: K-FAC factor {which} of {name!r} is not positive semi-definite (smallest "
+            f"eigenvalue {float(values[0]):.3g}); a factor is a second moment, sum x x^T: re-estimate the anchor."
         )
     values, vectors = values.flip(0).clamp(min=0), vectors.flip(1)
     keep = len(values) if rank is None else min(rank, len(values))

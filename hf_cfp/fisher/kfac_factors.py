@@ -16,7 +16,8 @@ diagonal sums, and turned into eigenbases once.
 Which weights: `kfac_kind` says which modules qualify (the stock nn.Linear and Conv1D forwards with a 2-D weight),
 whatever their width, an untied vocabulary-sized lm_head included (a tied one is an embedding lookup too and keeps
 its diagonal F, `kfac_sums.kfac_weights`). A factor of dimension at most `MAX_FORMED_DIMENSION` is summed densely
-(`DenseFactor`, dim^2 floats) and decomposed exactly; a wider one is never formed: `SketchedFactor` streams a
+(`DenseFactor`, dim^2 floats) and decomposed exactly (its top eigenpairs by subspace iteration when the rank is
+small beside its dimension); a wider one is never formed: `SketchedFactor` streams a
 randomized sketch of it (`kfac_sketch.FactorSketch`, dim x l floats, l = rank + oversampling) and its exact trace,
 and its top eigenpairs come from the sketch's Nystrom approximation after one more pass over the scored sequences
 (`kfac_sums.KroneckerFisherSums.refine`). Either way the factor keeps its top `rank` eigenpairs and
@@ -31,8 +32,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..anchor.kfac import eigenbasis, truncated_spectrum
-from .kfac_sketch import FactorSketch
+from ..anchor.kfac import checked_factor, eigenbasis, truncated_spectrum
+from .kfac_sketch import FactorSketch, sketch_width, top_eigenpairs
 from .module_kinds import module_kind
 
 MAX_FORMED_DIMENSION = 8192  # a wider factor (8192^2 float32 = 268 MB) is sketched, never formed
@@ -73,10 +74,18 @@ class DenseFactor:
         return [self.sum]
 
     def spectrum(self, count: float, rank: int | None, where: tuple[str, str, str]) -> Spectrum:
-        """The top `rank` eigenpairs (all when None) and the tail of X = S / count (`anchor.kfac.eigenbasis`;
-        `where`: weight name, "A" or "G", anchor name, for its errors)."""
+        """The top `rank` eigenpairs (all when None) and the tail of X = S / count (`where`: weight name, "A" or
+        "G", anchor name, for its errors): from the full `anchor.kfac.eigenbasis` when all are kept or the
+        rank's `sketch_width` exceeds half the dimension, else by subspace iteration (`top_eigenpairs`, the
+        trace exact): the full eigendecomposition was most of a rank-64 estimate's time."""
         name, which, anchor_name = where
-        return eigenbasis(name, which, (self.sum / count).cpu(), anchor_name, rank)
+        factor, dim = (self.sum / count).cpu(), self.sum.shape[0]
+        if rank is None or 2 * sketch_width(dim, rank) > dim:
+            return eigenbasis(name, which, factor, anchor_name, rank)
+        matrix = checked_factor(name, which, factor, anchor_name)
+        values, vectors = top_eigenpairs(matrix, rank)
+        kept, tail = truncated_spectrum(values, float(matrix.trace()), dim, rank, "mean")
+        return kept, vectors.float().contiguous(), tail
 
 
 class SketchedFactor:

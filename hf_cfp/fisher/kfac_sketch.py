@@ -1,4 +1,5 @@
-"""A streaming randomized sketch of one Kronecker factor too wide to form densely.
+"""Randomized top eigenpairs of a Kronecker factor: a streaming sketch of one too wide to form densely, and
+subspace iteration on one formed densely (`top_eigenpairs`).
 
 A factor is X = S / count with S = sum_t x_t x_t^T (dim x dim, positive semi-definite) over streamed rows x_t (a
 layer's inputs a_t, or its output gradients g_t). For dim in the tens of thousands the dense float32 S is never
@@ -123,3 +124,31 @@ class FactorSketch:
         vectors, singular, _ = torch.linalg.svd(b, full_matrices=False)
         values = (singular[: self.rank].square() - shift).clamp(min=0) / count
         return values.float(), vectors[:, : self.rank].float().contiguous(), float(self.trace) / count
+
+
+SUBSPACE_ITERATIONS = 6
+
+
+def sketch_width(dim: int, rank: int) -> int:
+    """l = min(rank + max(rank, 48), dim): the columns a randomized method keeps for `rank` eigenpairs."""
+    return min(rank + max(rank, _MIN_OVERSAMPLE), dim)
+
+
+def top_eigenpairs(
+    matrix: torch.Tensor, rank: int, iterations: int = SUBSPACE_ITERATIONS, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the top `rank` eigenvalues, largest first, clamped at 0; their eigenvectors, dim x rank, orthonormal) of a
+    formed symmetric positive semi-definite matrix X (float64, any device), by randomized subspace iteration
+    (Halko, Martinsson, Tropp 2011, Alg. 4.4 with Alg. 5.3): Q = orth(X Omega) for a Gaussian dim x l Omega
+    (l = `sketch_width`, drawn from a CPU torch.Generator seeded with `seed`), `iterations` times Q <- orth(X Q),
+    then the Rayleigh-Ritz pairs of Q^T X Q (l x l). The k-th eigenvalue's relative error falls like
+    (lambda_{l+1} / lambda_k)^(2 iterations + 1); the cost is (iterations + 1) dim^2 l multiply-adds, against about
+    9 dim^3 for a full `eigh`."""
+    dim = matrix.shape[0]
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    omega = torch.randn(dim, sketch_width(dim, rank), generator=generator, dtype=torch.float64)
+    basis = torch.linalg.qr(matrix @ omega.to(matrix.device)).Q
+    for _ in range(iterations):
+        basis = torch.linalg.qr(matrix @ basis).Q
+    values, small = torch.linalg.eigh(basis.T @ matrix @ basis)
+    return values.flip(0)[:rank].clamp(min=0), basis @ small.flip(1)[:, :rank]

@@ -11,7 +11,9 @@ for a sketch that returned Omega's own columns (sin 0.9994)."""
 import pytest
 import torch
 
-from hf_cfp.fisher.kfac_sketch import FactorSketch
+from hf_cfp.anchor.kfac import eigenbasis
+from hf_cfp.fisher.kfac_factors import DenseFactor
+from hf_cfp.fisher.kfac_sketch import FactorSketch, top_eigenpairs
 
 CPU = torch.device("cpu")
 
@@ -192,3 +194,34 @@ def test_a_shift_that_does_not_cover_the_rounding_is_grown_and_a_non_psd_sketch_
 def test_invalid_arguments_are_refused(make):
     with pytest.raises(ValueError):
         make()
+
+
+# --- subspace iteration on a formed factor ---
+
+
+def test_subspace_iteration_gives_the_top_eigenpairs_of_a_formed_factor():
+    rows = spectrum_rows(320, 2000, seed=3)
+    want_values, want_vectors, _ = dense_eigh(rows)
+    x = rows.double()
+    values, vectors = top_eigenpairs(x.T @ x / len(x), 16)
+    assert values.shape == (16,) and vectors.shape == (320, 16)
+    assert float(relative(values, want_values[:16]).max()) < 1e-6
+    assert largest_sin(vectors, want_vectors[:, :16]) < 1e-3  # the 16th and 17th eigenvalues differ by 7%
+    assert_orthonormal(vectors)
+
+
+def test_a_dense_factor_of_small_rank_keeps_the_exact_trace_and_the_eigh_spectrum():
+    """`DenseFactor.spectrum` by subspace iteration (rank 8 of 320: 56 columns) against the full eigh's top 8, its
+    tail the mean of the other 312 eigenvalues; rank 128 (l = 256 > 160) takes the full eigh."""
+    rows = spectrum_rows(320, 2000, seed=4)
+    want_values, want_vectors, trace = dense_eigh(rows)
+    factor = DenseFactor(320, CPU)
+    factor.add(lambda: rows, lambda: rows.T @ rows)
+    values, vectors, tail = factor.spectrum(len(rows), 8, ("w", "A", "anchor"))
+    assert float(relative(values, want_values[:8]).max()) < 1e-4
+    assert largest_sin(vectors, want_vectors[:, :8]) < 1e-3
+    assert tail is not None and float(tail) == pytest.approx(float(want_values[8:].mean()), rel=1e-4)
+    assert float(values.double().sum()) + 312 * float(tail) == pytest.approx(trace, rel=1e-5)  # trace-preserving
+    values, vectors, tail = factor.spectrum(len(rows), 128, ("w", "A", "anchor"))
+    exact = eigenbasis("w", "A", factor.sum / len(rows), "anchor", 128)
+    assert torch.equal(values, exact[0]) and torch.equal(vectors, exact[1]) and torch.equal(tail, exact[2])
