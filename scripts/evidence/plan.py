@@ -55,7 +55,8 @@ strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within 
 
 `kfac_default` (None by default: the sweep decides it) names the chosen truncation, e.g. `math_t64`: CFP-KFAC with
 that truncation of the math, code and safety K-FAC anchors (`math_t64`, `code_t64`, `safety_t64`) at
-`table_strength` on every seed, SFT and DPO, last; they are table rows (`is_table_row`), without greedy scores.
+`table_strength` on every seed, SFT and DPO, after the blocks that decide it and before the other strengths; they
+are table rows (`is_table_row`), without greedy scores.
 """
 
 import re
@@ -327,12 +328,13 @@ class Plan:
     def arms(self) -> list[Arm]:
         """`diagonal_arms`, then the K-FAC arms of the first seed, the RL arms, and the K-FAC table rows of the
         other seeds (`kfac_arms`, `rl_arms`): an interrupted run has the frontier before the spread. Then the rank
-        and tail sweep (`truncation_arms`) and the default truncation's table rows (`default_arms`); an arm planned
-        twice (the sweep's `math_r<r>` of `kfac_ranks`, the default's first-seed math rows) runs where it comes
-        first."""
+        and tail sweep's blocks that decide the default (`truncation_arms`), the default truncation's table rows
+        (`default_arms`), and the sweep's other strengths; an arm planned twice (the sweep's `math_r<r>` of
+        `kfac_ranks`, the default's first-seed math rows) runs where it comes first."""
         first, *others = self.seeds
         arms = self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
-        arms += self.truncation_arms() + self.default_arms()
+        deciding, rest = self.truncation_arms()
+        arms += deciding + self.default_arms() + rest
         first_of: dict[str, Arm] = {}
         for arm in arms:
             first_of.setdefault(arm.key, arm)
@@ -345,26 +347,30 @@ class Plan:
             return ()
         return tuple(sorted({self.table_strength, *self.kfac_strengths, *self.truncation_strengths}))
 
-    def truncation_arms(self) -> list[Arm]:
-        """The rank and tail sweep of CFP-KFAC [math] on the first seed, in the blocks of the module docstring;
-        per block: strength, truncation, optimizer."""
+    def truncation_arms(self) -> tuple[list[Arm], list[Arm]]:
+        """The rank and tail sweep of CFP-KFAC [math] on the first seed, in the blocks of the module docstring
+        (per block: strength, truncation, optimizer), as (the blocks that decide the default: every truncation at
+        `table_strength`, the mean tails at `truncation_strengths`; the other strengths)."""
         if not self.kfac_strengths:
-            return []
+            return [], []
         table, weak = (self.table_strength,), self.truncation_strengths
         others = tuple(s for s in self.kfac_strengths if s != self.table_strength)
         mean = [f"math_t{r}" for r in self.kfac_tail_ranks]
         zero = [f"math_r{r}" for r in self.kfac_tail_ranks]
         shares = [f"math_s{pct}" for pct in self.kfac_shares]
-        blocks = [(table, mean), (weak, mean), (table + weak, shares), (table, zero)]
-        blocks += [(others, mean), (others, zero), (others, shares)]
         seed = self.seeds[0]
-        return [
-            Arm(optimizer, "kfac", c, seed, label)
-            for strengths, labels in blocks
-            for c in strengths
-            for label in labels
-            for optimizer in self.optimizers
-        ]
+
+        def block_arms(blocks: list[tuple[tuple[float, ...], list[str]]]) -> list[Arm]:
+            return [
+                Arm(optimizer, "kfac", c, seed, label)
+                for strengths, labels in blocks
+                for c in strengths
+                for label in labels
+                for optimizer in self.optimizers
+            ]
+
+        deciding = block_arms([(table, mean), (weak, mean), (table + weak, shares), (table, zero)])
+        return deciding, block_arms([(others, mean), (others, zero), (others, shares)])
 
     def default_arms(self) -> list[Arm]:
         """With `kfac_default` (e.g. `math_t64`): CFP-KFAC with that truncation of the math, code and safety K-FAC
