@@ -497,6 +497,7 @@ EMBEDDED = Plan(
     kfac_tail_ranks=(8, 16, 32, 64, 128, 256),
     kfac_shares=(50, 80, 90, 95),
     truncation_strengths=(0.3,),
+    kfac_default="math_t256",  # the sweep's smallest rank within 1.25x of full rank (docs/reports/evidence.md)
     rl_rewards=RL_REWARDS,
     rl_kl_betas=(0.05,),
     rl_learning_rate=3e-4,

@@ -63,6 +63,8 @@ def test_the_sweep_comes_after_every_committed_arm_in_the_order_an_interrupted_r
     committed.remove("base")
     keys = [arm.key for arm in EMBEDDED.arms()]
     assert keys[: len(committed)] == committed and len(set(keys)) == len(keys)  # the results are a prefix of the plan
+    alone = replace(EMBEDDED, kfac_default=None)  # the sweep without the default's table rows
+    keys = [arm.key for arm in alone.arms()]
     ranks, shares = (8, 16, 32, 64, 128, 256), (50, 80, 90, 95)
     mean, zero = [f"math_t{r}" for r in ranks], [f"math_r{r}" for r in ranks]
     share = [f"math_s{p}" for p in shares]
@@ -81,9 +83,9 @@ def test_the_sweep_comes_after_every_committed_arm_in_the_order_an_interrupted_r
     assert keys[128] == "sft/kfac[math_t8]@10/seed0" and keys[140] == "sft/kfac[math_t8]@100/seed0"
     assert keys[152] == "sft/kfac[math_r8]@10/seed0" and keys[176] == "sft/kfac[math_s50]@10/seed0"
     assert keys[-1] == "dpo/kfac[math_s95]@100/seed0"
-    sweep = EMBEDDED.arms()[80:]
-    assert all(is_new(arm) and EMBEDDED.logging_steps(arm) == EMBEDDED.steps for arm in sweep)
-    assert not any(EMBEDDED.is_table_row(arm) or EMBEDDED.measures_greedy(arm) for arm in sweep)
+    sweep = alone.arms()[80:]
+    assert all(is_new(arm) and alone.logging_steps(arm) == alone.steps for arm in sweep)
+    assert not any(alone.is_table_row(arm) or alone.measures_greedy(arm) for arm in sweep)
 
 
 def test_each_truncation_says_how_it_is_made_and_every_arm_finds_its_anchors():
@@ -94,14 +96,15 @@ def test_each_truncation_says_how_it_is_made_and_every_arm_finds_its_anchors():
     assert specs["math_kfac_t256"] == AnchorSpec("truncated", "math", source="math_kfac", rank=256, tail="mean")
     assert specs["math_kfac_s90"] == AnchorSpec("truncated", "math", source="math_kfac", share=0.9, tail="mean")
     truncated = {name for name, spec in specs.items() if spec.kind == "truncated"}
-    assert len(truncated) == 6 * 2 + 4
+    assert len(truncated) == 6 * 2 + 4 + 2  # and the default's code_kfac_t256, safety_kfac_t256
     assert EMBEDDED.anchors_of(Arm("sft", "kfac", 10.0, 0, "math_t64")) == {*DOMAINS, "math_kfac", "math_kfac_t64"}
     assert {name for arm in EMBEDDED.arms() for name in EMBEDDED.anchors_of(arm)} <= set(specs)
 
 
 def test_the_default_truncation_adds_the_table_rows_of_every_seed_before_the_other_strengths():
+    assert EMBEDDED.kfac_default == "math_t256"  # chosen by the sweep (docs/reports/evidence.md)
     plan = replace(EMBEDDED, kfac_default="math_t64")
-    keys, before = [a.key for a in plan.arms()], [a.key for a in EMBEDDED.arms()]
+    keys, before = [a.key for a in plan.arms()], [a.key for a in replace(EMBEDDED, kfac_default=None).arms()]
     deciding = 80 + 48  # the committed arms and the sweep's blocks at c = 1 and 0.3 (test above)
     assert before[deciding - 1] == "dpo/kfac[math_r256]@1/seed0" and before[deciding] == "sft/kfac[math_t8]@10/seed0"
     added = len(keys) - len(before)
