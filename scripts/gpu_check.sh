@@ -11,14 +11,14 @@
 #      the batched engine and of the per-sequence loop, and the peak CUDA memory
 #   5. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
 #      option): CPU figures of this machine, to set beside the CPU table of docs/reports/performance.md.
-#   6. scripts/bench_kfac.py --device cuda --rounds 2 --threads 8: the K-FAC estimate (full rank, and rank 64 with its tails)
-#      vs the diagonal one; the K-FAC correction (full rank; rank 64 with tails, and with a zero tail; rank 64 of
-#      the factored weights alone) vs an AdamW step; floats per parameter (full; rank 64, factored weights). Its
-#      RESULT line carries the kfac_rank64_* keys of issue 30 and its tables are printed in the SUMMARY. The
+#   6. scripts/bench_kfac.py --device cuda --rounds 2 --threads 8: the K-FAC estimate (full rank, and rank 256 with its tails)
+#      vs the diagonal one; the K-FAC correction (full rank; rank 256 with tails, and with a zero tail; rank 256 of
+#      the factored weights alone) vs an AdamW step; floats per parameter (full; rank 256, factored weights). Its
+#      RESULT line carries the kfac_rank256_* keys of issue 30 and its tables are printed in the SUMMARY. The
 #      eigendecompositions run on the CPU (float64), hence 8 threads; two K-FAC estimates a round, hence 2 rounds
 #      (about 30 s of eigendecompositions per K-FAC estimate expected: 2 minutes or more in all).
 #   7. scripts/plan_7b.py: the paper-plan for Qwen2.5-7B, Llama-3-8B and Llama-3-70B on 8 GPUs, FSDP2 and DDP, rank
-#      64 with tails beside kfac_rank=None (computed, not measured; seconds); its RESULT lines in the SUMMARY
+#      256 with tails beside kfac_rank=None (computed, not measured; seconds); its RESULT lines in the SUMMARY
 # Each step is capped (580 s in all, under the 10 minutes of one device call; about 6 minutes expected). Then a
 # SUMMARY block with every RESULT line. Optional, with >= 2 GPUs:
 # `scripts/gpu_check.sh --multi-gpu` also runs scripts/multi_gpu_check.py under accelerate launch with each

@@ -8,9 +8,9 @@ shapes (built on the meta device).
 Which weights are factored is the library's rule (`fisher.kfac_sums.kfac_weights`): every 2-D Linear weight,
 whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head (an embedding lookup too), the
 embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
-estimation, never formed. Rows: `--kfac-rank` R (default 64; the default rank of the estimate is being chosen by
-the rank sweep of `scripts/reproduce_table.py`) with tails (the mean of the eigenvalues left out, `ops.kfac`);
-and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
+estimation, never formed. Rows: `--kfac-rank` R (default 256: the rank the sweep of `scripts/reproduce_table.py`
+recommends where full rank does not fit, `docs/guides/kfac.md`) with tails (the mean of the eigenvalues left out,
+`ops.kfac`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
 `WIDE_RANK` eigenpairs with a tail.
 
 Assumptions (flags): parameters and theta0 bf16; the bound eigenvectors in the weights' dtype (bf16), eigenvalues
@@ -27,12 +27,15 @@ under DDP), bases cut to r_A and r_G eigenpairs (`ops.kfac` states the math):
   core (r_G x r_A) times U_A^T (2 r_G r_A in), the fused product [U_G, M'] [N'; U_A^T] (2 rows in (r_G + r_A));
   without a tail (both factors full): D U_A, U_G^T (.), and back (2 (2 rows in r_A + 2 rows r_A r_G)).
 - Memory traffic: `TAILED_BYTES` (without a tail `UNTAILED_BYTES`) per parameter corrected, counted from the
-  passes of `protection.kronecker` and `ops.kfac.kfac_pull_` over bf16 weights (the stacks of the weights and of
-  theta0, D in bf16 and in float32, the norms of D, the fused product and its float32 copy, the float32 update
-  and the write-back); the products' reads of D are in it. The diagonal F of the rest: 10 bytes per parameter
-  (theta 2 + theta0 2 + F 4 read, theta 2 written).
+  passes of `protection.kronecker` and `ops.kfac` over bf16 weights: the projection forms D in bf16 (theta and
+  theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the correction
+  of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product through a
+  float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read by the
+  product (2), then the product's 32: about 40. The diagonal F of the rest: 10 bytes per parameter (theta 2 +
+  theta0 2 + F 4 read, theta 2 written).
 - Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`protection.kronecker.BATCH` weights of one
-  shape, corrected together): the stacks, D in float32, the product and its float32 copy.
+  shape): D in bf16 and the float32 copy the norm reads; the float32 temporaries of the one weight being corrected
+  add under 2 bytes per parameter of a batch of 8.
 - FSDP2 (row shards): every rank corrects its rows of every weight; P (r_G x r_A), with a tail N (r_G x in) too,
   float32, and the norms (r_A + 1, float64) are all-reduced per weight and step. Memory: theta0 of the rank's
   rows, U_A whole (every rank), the rank's rows of U_G.
@@ -84,9 +87,9 @@ SHAPES = {
     ),
 }
 GB = 1e9
-TAILED_BYTES = 120  # HBM bytes per parameter of the tailed correction (module docstring)
-UNTAILED_BYTES = 56  # the same without a tail
-TEMPORARY_BYTES = 18  # live temporaries per parameter of the batch being corrected
+TAILED_BYTES = 70  # HBM bytes per parameter of the tailed correction (module docstring)
+UNTAILED_BYTES = 40  # the same without a tail
+TEMPORARY_BYTES = 8  # live temporaries per parameter of the batch being corrected
 DIAGONAL_BYTES = 10  # the diagonal correction: theta, theta0, F (float32) read, theta written
 
 
@@ -331,7 +334,7 @@ def report(name: str, args: argparse.Namespace) -> None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=8, help="GPUs (processes)")
-    parser.add_argument("--kfac-rank", type=int, default=64, help="R: eigenpairs kept per factor, with tails")
+    parser.add_argument("--kfac-rank", type=int, default=256, help="R: eigenpairs kept per factor, with tails")
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per optimizer step per GPU")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization of the training step")
