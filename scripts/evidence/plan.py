@@ -55,8 +55,9 @@ strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within 
 
 `kfac_default` (None by default: the sweep decides it) names the chosen truncation, e.g. `math_t64`: CFP-KFAC with
 that truncation of the math, code and safety K-FAC anchors (`math_t64`, `code_t64`, `safety_t64`) at
-`table_strength` on every seed, SFT and DPO, after the blocks that decide it and before the other strengths; they
-are table rows (`is_table_row`), without greedy scores.
+`table_strength` on every seed, SFT and DPO, after the blocks that decide it; they are table rows (`is_table_row`),
+without greedy scores. Then the default's strength sweep (the math truncation at the other `kfac_strengths`,
+first seed), and the other strengths of the sweep.
 """
 
 import re
@@ -374,16 +375,19 @@ class Plan:
 
     def default_arms(self) -> list[Arm]:
         """With `kfac_default` (e.g. `math_t64`): CFP-KFAC with that truncation of the math, code and safety K-FAC
-        anchors at `table_strength`, per seed and optimizer (SFT, DPO)."""
+        anchors at `table_strength`, per seed and optimizer (SFT, DPO); then its strength sweep, the math
+        truncation at the other `kfac_strengths` on the first seed."""
         if not self.kfac_default or not self.kfac_strengths:
             return []
         variant = self.kfac_default.partition("_")[2]
-        return [
+        rows = [
             Arm(optimizer, "kfac", self.table_strength, seed, f"{domain}_{variant}")
             for seed in self.seeds
             for optimizer in self.optimizers
             for domain in DOMAINS
         ]
+        others = [c for c in self.kfac_strengths if c != self.table_strength]
+        return rows + [Arm(o, "kfac", c, self.seeds[0], self.kfac_default) for c in others for o in self.optimizers]
 
     def kfac_arms(self, seeds: tuple[int, ...]) -> list[Arm]:
         """Per seed and optimizer (SFT, DPO): CFP-KFAC with the math, code and safety K-FAC anchors at

@@ -101,20 +101,22 @@ def test_each_truncation_says_how_it_is_made_and_every_arm_finds_its_anchors():
     assert {name for arm in EMBEDDED.arms() for name in EMBEDDED.anchors_of(arm)} <= set(specs)
 
 
-def test_the_default_truncation_adds_the_table_rows_of_every_seed_before_the_other_strengths():
+def test_the_default_truncation_adds_its_table_rows_and_strength_sweep_before_the_other_strengths():
     assert EMBEDDED.kfac_default == "math_t256"  # chosen by the sweep (docs/reports/evidence.md)
     plan = replace(EMBEDDED, kfac_default="math_t64")
     keys, before = [a.key for a in plan.arms()], [a.key for a in replace(EMBEDDED, kfac_default=None).arms()]
     deciding = 80 + 48  # the committed arms and the sweep's blocks at c = 1 and 0.3 (test above)
     assert before[deciding - 1] == "dpo/kfac[math_r256]@1/seed0" and before[deciding] == "sft/kfac[math_t8]@10/seed0"
-    added = len(keys) - len(before)
-    assert keys[:deciding] == before[:deciding] and keys[deciding + added :] == before[deciding:]
-    assert keys[deciding : deciding + added] == [  # seed 0's math rows ran in the sweep
+    sweep = [f"{o}/kfac[math_t64]@{c}/seed0" for c in (10, 100) for o in ("sft", "dpo")]  # also in the sweep's rest
+    assert keys[:deciding] == before[:deciding] and len(keys) == len(before) + 10
+    assert keys[deciding + 14 :] == [key for key in before[deciding:] if key not in sweep]  # run where first planned
+    assert keys[deciding : deciding + 14] == [  # seed 0's math rows ran in the sweep
         "sft/kfac[code_t64]@1/seed0",
         "sft/kfac[safety_t64]@1/seed0",
         "dpo/kfac[code_t64]@1/seed0",
         "dpo/kfac[safety_t64]@1/seed0",
         *(f"{o}/kfac[{d}_t64]@1/seed1" for o in ("sft", "dpo") for d in DOMAINS),
+        *sweep,
     ]
     rows = [a for a in plan.arms() if plan.is_table_row(a) and a.method == "kfac" and a.anchor not in DOMAINS]
     assert {(a.optimizer, a.anchor, a.seed) for a in rows} == {
