@@ -148,11 +148,6 @@ class KroneckerBasis:
         d = delta.to(self.a_vectors.dtype)
         return (self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors)).float()
 
-    def unrotate(self, rotated: torch.Tensor) -> torch.Tensor:
-        """U_G R U_A^T on the rows held here, multiplied in the eigenvectors' dtype, float32."""
-        r = rotated.to(self.a_vectors.dtype)
-        return ((self.g_vectors @ r) @ self.a_vectors.transpose(-2, -1)).float()
-
     def project(self, delta: torch.Tensor) -> "Projection":
         """Delta's coordinates in the blocks (module docstring), partial sums over the rows held here."""
         if not self.tailed:
