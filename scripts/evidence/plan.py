@@ -44,20 +44,20 @@ the FULL anchor (`kfac_lam_anchor`):
 - `math_s<pct>`: per factor, the fewest eigenpairs whose eigenvalues hold >= pct% of the factor's trace, the rest
   at their mean (mean tail): a rule that transfers to wider layers, where an absolute rank may not.
 
-First seed, SFT and DPO, for the ranks `kfac_tail_ranks` (both tails) and the shares `kfac_shares`, at every
-`kfac_strengths` (the strengths of the full-rank `math`) and, for the mean tails only, the weaker
-`truncation_strengths` (most mean-tail ranks made a little less task progress than full rank at c = 1, so that
-only a weaker c can bracket full rank's progress), in this order (an interrupted run keeps what decides the default
-first): the mean-tail ranks at `table_strength`, then at `truncation_strengths`; the shares at `table_strength` and
-`truncation_strengths`; the zero-tail ranks at `table_strength` (those of `kfac_ranks` ran already); then the other
-strengths of the mean-tail ranks, of the zero-tail ranks, of the shares. Within a block: strength, then truncation
-(ranks ascending), then optimizer, so that each finished point has both.
+First seed, SFT and DPO, for the ranks `kfac_tail_ranks` (both tails) and the shares `kfac_shares`, at
+`table_strength` and, for the mean tails and the shares, the weaker `truncation_strengths` (most mean-tail ranks made
+a little less task progress than full rank at c = 1, so that only a weaker c can bracket full rank's progress), in
+this order: the mean-tail ranks at `table_strength`, then at `truncation_strengths`; the shares at `table_strength`
+and `truncation_strengths`; the zero-tail ranks at `table_strength` (those of `kfac_ranks` ran already). Within a
+block: strength, then truncation (ranks ascending), then optimizer, so that each finished point has both. The
+stronger `kfac_strengths` run for full rank and the default only: they cannot change which truncation is within
+`RULE_RATIO` of full rank at full rank's task progress, and the CPU time went to the long run (`scripts/longrun`).
 
 `kfac_default` (None by default: the sweep decides it) names the chosen truncation, e.g. `math_t64`: CFP-KFAC with
 that truncation of the math, code and safety K-FAC anchors (`math_t64`, `code_t64`, `safety_t64`) at
 `table_strength` on every seed, SFT and DPO, after the blocks that decide it; they are table rows (`is_table_row`),
 without greedy scores. Then the default's strength sweep (the math truncation at the other `kfac_strengths`,
-first seed), and the other strengths of the sweep.
+first seed).
 """
 
 import re
@@ -329,13 +329,12 @@ class Plan:
     def arms(self) -> list[Arm]:
         """`diagonal_arms`, then the K-FAC arms of the first seed, the RL arms, and the K-FAC table rows of the
         other seeds (`kfac_arms`, `rl_arms`): an interrupted run has the frontier before the spread. Then the rank
-        and tail sweep's blocks that decide the default (`truncation_arms`), the default truncation's table rows
-        (`default_arms`), and the sweep's other strengths; an arm planned twice (the sweep's `math_r<r>` of
+        and tail sweep (`truncation_arms`) and the default truncation's table rows and strength sweep
+        (`default_arms`); an arm planned twice (the sweep's `math_r<r>` of
         `kfac_ranks`, the default's first-seed math rows) runs where it comes first."""
         first, *others = self.seeds
         arms = self.diagonal_arms() + self.kfac_arms((first,)) + self.rl_arms() + self.kfac_arms(tuple(others))
-        deciding, rest = self.truncation_arms()
-        arms += deciding + self.default_arms() + rest
+        arms += self.truncation_arms() + self.default_arms()
         first_of: dict[str, Arm] = {}
         for arm in arms:
             first_of.setdefault(arm.key, arm)
@@ -348,30 +347,26 @@ class Plan:
             return ()
         return tuple(sorted({self.table_strength, *self.kfac_strengths, *self.truncation_strengths}))
 
-    def truncation_arms(self) -> tuple[list[Arm], list[Arm]]:
+    def truncation_arms(self) -> list[Arm]:
         """The rank and tail sweep of CFP-KFAC [math] on the first seed, in the blocks of the module docstring
-        (per block: strength, truncation, optimizer), as (the blocks that decide the default: every truncation at
-        `table_strength`, the mean tails at `truncation_strengths`; the other strengths)."""
+        (per block: strength, truncation, optimizer): every truncation at `table_strength`, the mean tails and the
+        shares at `truncation_strengths`."""
         if not self.kfac_strengths:
-            return [], []
+            return []
         table, weak = (self.table_strength,), self.truncation_strengths
-        others = tuple(s for s in self.kfac_strengths if s != self.table_strength)
         mean = [f"math_t{r}" for r in self.kfac_tail_ranks]
         zero = [f"math_r{r}" for r in self.kfac_tail_ranks]
         shares = [f"math_s{pct}" for pct in self.kfac_shares]
         seed = self.seeds[0]
 
-        def block_arms(blocks: list[tuple[tuple[float, ...], list[str]]]) -> list[Arm]:
-            return [
-                Arm(optimizer, "kfac", c, seed, label)
-                for strengths, labels in blocks
-                for c in strengths
-                for label in labels
-                for optimizer in self.optimizers
-            ]
-
-        deciding = block_arms([(table, mean), (weak, mean), (table + weak, shares), (table, zero)])
-        return deciding, block_arms([(others, mean), (others, zero), (others, shares)])
+        blocks = [(table, mean), (weak, mean), (table + weak, shares), (table, zero)]
+        return [
+            Arm(optimizer, "kfac", c, seed, label)
+            for strengths, labels in blocks
+            for c in strengths
+            for label in labels
+            for optimizer in self.optimizers
+        ]
 
     def default_arms(self) -> list[Arm]:
         """With `kfac_default` (e.g. `math_t64`): CFP-KFAC with that truncation of the math, code and safety K-FAC

@@ -73,16 +73,13 @@ def test_the_sweep_comes_after_every_committed_arm_in_the_order_an_interrupted_r
     assert ran <= set(committed)
     expected = _block(mean, (1,)) + _block(mean, (0.3,)) + _block(share, (1, 0.3))
     expected += [k for k in _block(zero, (1,)) if k not in ran]
-    expected += _block(mean, (10, 100)) + _block(zero, (10, 100)) + _block(share, (10, 100))
-    assert keys[80:] == expected and len(expected) == 112  # ((6 x 2 + 4) x 3 c + (6 + 4) at 0.3) x 2, less 4
+    assert keys[80:] == expected and len(expected) == 48  # ((6 x 2 + 4) at c = 1 + (6 + 4) at 0.3) x 2, less 4
     # spelled out at the block boundaries
     assert keys[80:83] == ["sft/kfac[math_t8]@1/seed0", "dpo/kfac[math_t8]@1/seed0", "sft/kfac[math_t16]@1/seed0"]
     assert keys[92:94] == ["sft/kfac[math_t8]@0.3/seed0", "dpo/kfac[math_t8]@0.3/seed0"]
     assert keys[104:106] == ["sft/kfac[math_s50]@1/seed0", "dpo/kfac[math_s50]@1/seed0"]
     assert keys[112] == "sft/kfac[math_s50]@0.3/seed0" and keys[120] == "sft/kfac[math_r16]@1/seed0"
-    assert keys[128] == "sft/kfac[math_t8]@10/seed0" and keys[140] == "sft/kfac[math_t8]@100/seed0"
-    assert keys[152] == "sft/kfac[math_r8]@10/seed0" and keys[176] == "sft/kfac[math_s50]@10/seed0"
-    assert keys[-1] == "dpo/kfac[math_s95]@100/seed0"
+    assert keys[-1] == "dpo/kfac[math_r256]@1/seed0"  # the other strengths: full rank and the default only
     sweep = alone.arms()[80:]
     assert all(is_new(arm) and alone.logging_steps(arm) == alone.steps for arm in sweep)
     assert not any(alone.is_table_row(arm) or alone.measures_greedy(arm) for arm in sweep)
@@ -106,11 +103,10 @@ def test_the_default_truncation_adds_its_table_rows_and_strength_sweep_before_th
     plan = replace(EMBEDDED, kfac_default="math_t64")
     keys, before = [a.key for a in plan.arms()], [a.key for a in replace(EMBEDDED, kfac_default=None).arms()]
     deciding = 80 + 48  # the committed arms and the sweep's blocks at c = 1 and 0.3 (test above)
-    assert before[deciding - 1] == "dpo/kfac[math_r256]@1/seed0" and before[deciding] == "sft/kfac[math_t8]@10/seed0"
-    sweep = [f"{o}/kfac[math_t64]@{c}/seed0" for c in (10, 100) for o in ("sft", "dpo")]  # also in the sweep's rest
-    assert keys[:deciding] == before[:deciding] and len(keys) == len(before) + 10
-    assert keys[deciding + 14 :] == [key for key in before[deciding:] if key not in sweep]  # run where first planned
-    assert keys[deciding : deciding + 14] == [  # seed 0's math rows ran in the sweep
+    assert len(before) == deciding and before[-1] == "dpo/kfac[math_r256]@1/seed0"
+    sweep = [f"{o}/kfac[math_t64]@{c}/seed0" for c in (10, 100) for o in ("sft", "dpo")]
+    assert keys[:deciding] == before and len(keys) == deciding + 14
+    assert keys[deciding:] == [  # seed 0's math rows ran in the sweep
         "sft/kfac[code_t64]@1/seed0",
         "sft/kfac[safety_t64]@1/seed0",
         "dpo/kfac[code_t64]@1/seed0",
@@ -142,12 +138,14 @@ def test_the_default_truncation_adds_its_table_rows_and_strength_sweep_before_th
 def test_the_tiny_plan_exercises_every_new_kind():
     keys = {arm.key for arm in TINY.arms()}
     for label in ("math_t2", "math_r2", "math_s80"):
-        assert {f"{o}/kfac[{label}]@{c}/seed0" for o in ("sft", "dpo") for c in (1, 10)} <= keys
+        assert {f"{o}/kfac[{label}]@1/seed0" for o in ("sft", "dpo")} <= keys
+    assert {f"{o}/kfac[math_t2]@10/seed0" for o in ("sft", "dpo")} <= keys  # the default's strength sweep
+    assert not any("math_r2]@10" in key or "math_s80]@10" in key for key in keys)
     for label in ("math_t2", "math_s80"):  # the weaker strength: mean tails only
         assert {f"{o}/kfac[{label}]@0.3/seed0" for o in ("sft", "dpo")} <= keys
     assert not any("math_r2]@0.3" in key for key in keys)
     assert {f"{o}/kfac[{d}_t2]@1/seed{s}" for o in ("sft", "dpo") for d in DOMAINS for s in TINY.seeds} <= keys
-    assert len(TINY.arms()) == 94 + 14 + 16  # issue 25's, the sweep's (4 at c = 0.3), the default's
+    assert len(TINY.arms()) == 94 + 8 + 18  # issue 25's, the sweep's (4 at c = 0.3), the default's
 
 
 # --- the truncated anchors, against the full factors' eigenvalues computed here ---
