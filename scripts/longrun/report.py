@@ -1,0 +1,198 @@
+"""Tables and plots of the long run, from its rows (`run.run_long`).
+
+- Final table, per optimizer: one row per arm (method, strength), the task progress, each capability's held-out
+  KL, math exact match and the refusal rate, each with its 95% interval (1.96 standard errors), the scored items,
+  the optimizer steps and the training seconds per step; the base model first.
+- Matched task progress, per optimizer: each method's math KL at `MATCHED` shares of the unregularized run's task
+  progress, interpolated linearly between consecutive points of its frontier (its strengths' final points and,
+  as the weakest setting, the unregularized run; WiSE-FT: the base model, its mixing weights and the finished
+  run), ordered by task progress; "n/a" where its points do not reach that progress (never extrapolated). Per
+  target, the method with the least math KL is named, with the next best and its ratio to the best.
+- Plots (`plot_report`): per optimizer the frontier (task progress against math KL, one curve per method) and
+  the curves over steps (math KL and task progress at every measured step, one line per arm).
+"""
+
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from .plan import SUPERVISED, Plan, grpo_reward
+
+MATCHED = (0.5, 0.8)  # shares of the unregularized run's task progress at which methods are compared
+LABELS = {
+    "unregularized": "unregularized",
+    "kl": "KL penalty",
+    "lwf": "LwF distillation",
+    "isotropic": "L2 to theta0 (isotropic)",
+    "cfp": "CFP diagonal",
+    "wiseft": "WiSE-FT",
+    "lora": "LoRA",
+}
+MISSING = "—"
+
+
+def task_key(optimizer: str) -> str:
+    """The metric of task progress: SFT the held-out per-token gain, DPO the held-out margin, GRPO the reward gain."""
+    reward = grpo_reward(optimizer)
+    return f"task/{reward}_gain" if reward else {"sft": "task/sft_gain", "dpo": "task/dpo_margin"}[optimizer]
+
+
+def method_label(arm: dict, plan: Plan) -> str:
+    """'CFP-KFAC full rank', 'CFP-KFAC rank 256 + tail', 'LoRA + CFP-KFAC ...', or `LABELS`."""
+    anchor = arm.get("anchor") or ""
+    kfac = "CFP-KFAC full rank" if anchor == "math" else f"CFP-KFAC {anchor.partition('_')[2]}"
+    if arm["method"] == "kfac":
+        return kfac
+    if arm["method"] == "lora_kfac":
+        return f"LoRA + {kfac}"
+    return LABELS[arm["method"]]
+
+
+def _interval(metrics: dict, key: str, spec: str = ".3g") -> str:
+    value = metrics.get(key)
+    if value is None:
+        return MISSING
+    stderr = metrics.get(f"{key}_stderr")
+    if stderr is None or math.isnan(stderr):
+        return f"{value:{spec}}"
+    return f"{value:{spec}} ± {1.96 * stderr:{spec}}"
+
+
+def _rows_of(rows: list[dict], optimizer: str) -> list[dict]:
+    return [r for r in rows if r["key"] != "base" and r["arm"]["optimizer"] == optimizer]
+
+
+def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
+    """The final table of one optimizer (module docstring)."""
+    task = task_key(optimizer)
+    header = (
+        f"| arm | strength | steps | {task} | math KL | code KL | safety KL | math exact match | refusal rate "
+        "| s/step |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    base = next((r for r in rows if r["key"] == "base"), None)
+    lines = [header]
+    for row in ([base] if base else []) + _rows_of(rows, optimizer):
+        m = row["metrics"]
+        label = "base model" if row["key"] == "base" else method_label(row["arm"], plan)
+        strength = "" if row["key"] == "base" else f"{row['arm']['strength']:g}"
+        seconds = m.get("seconds_per_step")
+        cells = [
+            label,
+            strength,
+            str(row.get("steps", "")),
+            _interval(m, task) if task in m else MISSING,
+            *(_interval(m, f"{d}/kl") for d in ("math", "code", "safety")),
+            _interval(m, "math/exact_match", ".2f") + f" (n={m.get('math/items', '?')})",
+            f"{m['safety/refusal_rate']:.2f}" if "safety/refusal_rate" in m else MISSING,
+            f"{seconds:.2f}" if seconds else MISSING,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def frontiers(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> dict[str, list[tuple[float, float]]]:
+    """{method label: [(task progress, math KL)] ordered by task progress}: its strengths' final points and its
+    weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0))."""
+    task = task_key(optimizer)
+    own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and task in r["metrics"]]
+    unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
+    curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for row in own:
+        if row["arm"]["method"] == "unregularized":
+            continue
+        curves[method_label(row["arm"], plan)].append((row["metrics"][task], row["metrics"]["math/kl"]))
+    for label, points in curves.items():
+        if unregularized and not label.startswith("LoRA"):
+            points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"]["math/kl"]))
+        if label == LABELS["wiseft"]:
+            points.append((0.0, 0.0))
+        points.sort()
+    return dict(curves)
+
+
+def kl_at(points: list[tuple[float, float]], progress: float) -> float | None:
+    """The math KL at `progress`, linear between the two consecutive points that bracket it; None when none do."""
+    for (g0, k0), (g1, k1) in zip(points, points[1:], strict=False):
+        if g0 <= progress <= g1:
+            return k0 if g1 == g0 else k0 + (k1 - k0) * (progress - g0) / (g1 - g0)
+    return None
+
+
+def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
+    """Each method's math KL at the `MATCHED` shares of the unregularized run's task progress (module docstring)."""
+    task = task_key(optimizer)
+    unregularized = [
+        r for r in _rows_of(rows, optimizer) if r["arm"]["method"] == "unregularized" and r["arm"]["seed"] == seed
+    ]
+    if not unregularized:
+        return f"(no unregularized {optimizer} run yet)"
+    full = unregularized[0]["metrics"][task]
+    targets = [share * full for share in MATCHED]
+    curves = frontiers(rows, plan, optimizer, seed)
+    heads = " | ".join(f"math KL at {share:.0%} ({t:.3g})" for share, t in zip(MATCHED, targets, strict=True))
+    lines = [f"| method | {heads} |", "|---|" + "---|" * len(targets)]
+    for label, points in curves.items():
+        values = [kl_at(points, t) for t in targets]
+        lines.append(f"| {label} | " + " | ".join(f"{v:.3g}" if v is not None else "n/a" for v in values) + " |")
+    lines.append("")
+    for share, target in zip(MATCHED, targets, strict=True):
+        found = sorted((v, label) for label, points in curves.items() if (v := kl_at(points, target)) is not None)
+        if len(found) >= 2 and found[0][0] > 0:
+            (best, first), (next_best, second) = found[:2]
+            lines.append(
+                f"- at {share:.0%}: least math KL {first} ({best:.3g}); next {second} ({next_best:.3g}, "
+                f"{next_best / best:.2g}x)"
+            )
+    return "\n".join(lines)
+
+
+def markdown_report(rows: list[dict], plan: Plan) -> str:
+    """Every table, per optimizer that has rows (the first seed for the matched comparison)."""
+    parts = ["# Long run", ""]
+    for optimizer in plan.optimizers:
+        if not _rows_of(rows, optimizer):
+            continue
+        seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
+        parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
+        parts += [f"### At matched task progress (seed {seed})", "", matched_table(rows, plan, optimizer, seed), ""]
+    return "\n".join(parts)
+
+
+def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
+    """`frontier.png` (per optimizer: task progress against math KL, one curve per method) and `curves.png` (per
+    optimizer: math KL and task progress at every measured step of the first seed's arms). Returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    optimizers = [o for o in plan.optimizers if _rows_of(rows, o)]
+    if not optimizers:
+        return []
+    figure, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
+    for axis, optimizer in zip(axes[0], optimizers, strict=True):
+        seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
+        for label, points in frontiers(rows, plan, optimizer, seed).items():
+            axis.plot([k for _, k in points], [g for g, _ in points], marker="o", label=label)
+        axis.set(xlabel="held-out math KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
+    axes[0][0].legend(fontsize=7)
+    figure.tight_layout()
+    paths = [out / "frontier.png", out / "curves.png"]
+    figure.savefig(paths[0], dpi=120)
+    figure, axes = plt.subplots(2, len(optimizers), figsize=(5 * len(optimizers), 7), squeeze=False)
+    for column, optimizer in enumerate(optimizers):
+        for row in _rows_of(rows, optimizer):
+            if not row.get("curve"):
+                continue
+            steps = [p["step"] for p in row["curve"]]
+            label = f"{method_label(row['arm'], plan)} {row['arm']['strength']:g}"
+            axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label)
+            key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
+            axes[1][column].plot(steps, [p[key] for p in row["curve"]], label=label)
+        axes[0][column].set(title=optimizer.upper(), ylabel="held-out math KL (nats)")
+        axes[1][column].set(xlabel="optimizer step", ylabel="held-out task progress")
+    axes[0][0].legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(paths[1], dpi=120)
+    plt.close("all")
+    return paths

@@ -1,0 +1,123 @@
+"""Run the long run: the task (built once from the base model's answers), the anchors, the base references, then
+every arm of the plan, one JSON line per arm in `<output_dir>/results.jsonl` as it finishes (`resume` skips the arms
+already there, as the evidence run does).
+
+A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measure.Probe.final`, plus
+`train_seconds` and `seconds_per_step` without the measuring time), `curve` (`Probe.point` at every measured step,
+the last one at the end of the run), `history` (the trainer's logged loss, reward and KL terms per logging step)
+and `seconds` (the arm's wall time, measuring included). The unregularized run's final weights are kept in
+`<output_dir>/weights/` for its WiSE-FT points.
+"""
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from evidence.anchors import AnchorStore
+from evidence.run import append_row, done_rows, tiny_model_and_tokenizer
+from tqdm.auto import tqdm
+
+from hf_cfp.loading.models import load_causal_lm
+from hf_cfp.loading.prompts import calibration_prompts
+
+from .baselines import Distillation, wise_ft
+from .data import generic_prompts, task_items
+from .measure import Probe, base_references
+from .plan import Plan
+from .training import TrainerFactory, train_arm
+
+HISTORY_KEYS = ("step", "loss", "reward", "kl", "kl_penalty", "lwf_kl", "rewards/chosen", "rewards/margins")
+
+
+def task_split(base_model, tokenizer, plan: Plan, path: Path) -> tuple[list[dict], list[dict]]:
+    """(training items, held-out items) of the task: `data.task_items` of the first `task_prompts +
+    heldout_prompts` generic prompts, made once and cached as JSON lines at `path`."""
+    if not path.exists():
+        prompts = generic_prompts()[: plan.task_prompts + plan.heldout_prompts]
+        print(f"Writing the task: the base model's greedy answers to {len(prompts)} prompts", flush=True)
+        items = task_items(base_model, tokenizer, prompts, plan.task_new_tokens)
+        path.write_text("".join(json.dumps(item) + "\n" for item in items), encoding="utf-8")
+    items = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    training = set(generic_prompts()[: plan.task_prompts])
+    return [i for i in items if i["prompt"] in training], [i for i in items if i["prompt"] not in training]
+
+
+def trained_weights(model) -> dict[str, torch.Tensor]:
+    """The model's parameters by name (tied ones once), detached copies."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+class LongRun:
+    """Everything an arm needs, made once: model, task, anchors, references, probe."""
+
+    def __init__(self, plan: Plan, model_name: str, out: Path, anchors_dir: Path, todo: list):
+        self.plan, self.out = plan, out
+        model, tokenizer = tiny_model_and_tokenizer() if model_name == "tiny" else load_causal_lm(model_name)
+        self.base_model, self.tokenizer = model.eval(), tokenizer
+        self.items, self.heldout = task_split(model, tokenizer, plan, out / "task.jsonl")
+        self.store = AnchorStore(model, tokenizer, plan.anchors, anchors_dir)
+        self.store.prepare({name for arm in todo for name in plan.anchors_of(arm)})
+        print("Drawing the base model's held-out responses (once)", flush=True)
+        references = base_references(model, tokenizer, plan, out / "references.pt")
+        self.probe = Probe(model, tokenizer, plan, self.heldout, references)
+        distillation = None
+        if any(arm.method == "lwf" for arm in todo):
+            anchors = plan.anchors
+            distillation = Distillation(
+                model, tokenizer, calibration_prompts("math"), anchors.anchor_sequences, anchors.anchor_new_tokens,
+                plan.batch_size,
+            )  # fmt: skip
+        self.factory = TrainerFactory(model, tokenizer, plan, self.items, distillation)
+
+    def weights_path(self, arm) -> Path:
+        return self.out / "weights" / f"{arm.optimizer}-seed{arm.seed}.pt"
+
+    def run_arm(self, arm) -> dict:
+        """One arm's row (module docstring)."""
+        start = time.perf_counter()
+        if arm.method == "wiseft":
+            trained = torch.load(self.weights_path(arm), weights_only=True)
+            model, curve, timing, history = wise_ft(self.base_model, trained, arm.strength), [], {}, []
+        else:
+            anchors = self.store.for_arm(self.plan.anchors_of(arm))
+            model, curve, timing, history = train_arm(arm, self.factory, anchors, self.probe, self.out / "runs")
+            if arm.method == "unregularized":
+                self.weights_path(arm).parent.mkdir(exist_ok=True)
+                torch.save(trained_weights(model), self.weights_path(arm))
+        metrics = {**self.probe.final(model, arm.optimizer), **timing}
+        logged = [{k: entry[k] for k in HISTORY_KEYS if k in entry} for entry in history if "loss" in entry]
+        steps = 0 if arm.method == "wiseft" else self.plan.steps_of(arm.optimizer)
+        return {
+            "key": arm.key,
+            "arm": asdict(arm),
+            "steps": steps,
+            "metrics": metrics,
+            "curve": curve,
+            "history": logged,
+            "seconds": time.perf_counter() - start,
+        }
+
+
+def run_long(plan: Plan, model_name: str, output_dir: str, anchors_dir: str | None = None) -> list[dict]:
+    """Every arm of `plan` not yet in `<output_dir>/results.jsonl`; returns all the rows (base first)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = out / "results.jsonl"
+    done = done_rows(results)
+    arms = plan.arms()
+    todo = [arm for arm in arms if arm.key not in done]
+    run = LongRun(plan, model_name, out, Path(anchors_dir) if anchors_dir else out / "anchors", todo)
+    if "base" not in done:
+        rewarded = plan.optimizers[-1]  # a GRPO optimizer when the plan has one: the base's rewards too
+        done["base"] = {"key": "base", "steps": 0, "metrics": run.probe.final(run.base_model, rewarded)}
+        append_row(results, done["base"])
+    bar = tqdm(todo, desc="arms", unit="arm")
+    for arm in bar:
+        bar.set_postfix_str(arm.key)
+        done[arm.key] = run.run_arm(arm)
+        append_row(results, done[arm.key])
+        metrics = done[arm.key]["metrics"]
+        tqdm.write(f"{arm.key}: math kl {metrics['math/kl']:.4g}, {done[arm.key]['seconds']:.0f} s")
+    return [done[key] for key in ["base", *(arm.key for arm in arms)]]
