@@ -8,12 +8,14 @@
 
       beta * KLbar,   KLbar = (1/|T_b|) sum_{t in T_b} sum_v p0_v(t) (log p0_v(t) - log p_theta,v(t)),
 
-  T_b the response positions of the next `batch_size` of those sequences (in turn), full vocabulary.
+  T_b the response positions of the next `batch_size` of those sequences (in turn), full vocabulary. The drawn
+  sequences are cached at `path` when one is given, so that a resumed run distils on the same ones.
 - `wise_ft(base, trained, a)`: theta0 + a (theta_T - theta0), parameter by parameter (no training).
 - `lora_model(model, rank)`: PEFT LoRA of rank r, alpha 2r, on the attention and MLP projections.
 """
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +30,14 @@ class Distillation:
     """The LwF targets (module docstring): `input_ids` / `attention_mask` (right-padded), the response positions
     of each sequence, and log p0 there (float32, [positions, vocabulary])."""
 
-    def __init__(self, base_model, tokenizer, prompts: list[str], sequences: int, new_tokens: int, batch_size: int):
-        cycled = [prompts[n % len(prompts)] for n in range(sequences)]
-        drawn = draw_base_responses(base_model, tokenizer, cycled, 1, new_tokens, seed=0, batch_size=8)
+    def __init__(self, base_model, tokenizer, prompts, sequences: int, new_tokens: int, batch_size: int, path=None):
+        if path is not None and Path(path).exists():
+            drawn = torch.load(path, weights_only=False)
+        else:
+            cycled = [prompts[n % len(prompts)] for n in range(sequences)]
+            drawn = draw_base_responses(base_model, tokenizer, cycled, 1, new_tokens, seed=0, batch_size=8)
+            if path is not None:
+                torch.save(drawn, path)
         rows = [p + r for p, r in zip(drawn.prompts, drawn.responses, strict=True)]
         width = max(len(row) for row in rows)
         self.input_ids = torch.tensor([row + [drawn.pad_id] * (width - len(row)) for row in rows])

@@ -67,7 +67,7 @@ class LongRun:
             anchors = plan.anchors
             distillation = Distillation(
                 model, tokenizer, calibration_prompts("math"), anchors.anchor_sequences, anchors.anchor_new_tokens,
-                plan.batch_size,
+                plan.batch_size, out / "distillation.pt",
             )  # fmt: skip
         self.factory = TrainerFactory(model, tokenizer, plan, self.items, distillation)
 

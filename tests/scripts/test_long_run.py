@@ -55,7 +55,7 @@ def test_every_arm_is_measured_along_its_run_and_at_its_end(tiny_run):
     assert rows["sft/unregularized@0/seed0"]["metrics"]["task/sft_gain"] > 0.1
     assert "task/pirate_gain" in rows["grpo-pirate/unregularized@0/seed0"]["metrics"]
     assert any("lwf_kl" in entry for entry in rows["sft/lwf[math]@1/seed0"]["history"])
-    for name in ("long_run.md", "frontier.png", "curves.png", "task.jsonl", "references.pt"):
+    for name in ("long_run.md", "frontier.png", "curves.png", "task.jsonl", "references.pt", "distillation.pt"):
         assert (out / name).exists(), name
 
 
