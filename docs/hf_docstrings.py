@@ -17,8 +17,14 @@ parser wants `name: description` with the type taken from the signature, and mkd
   item per argument;
 - a `Returns:` item's type into a bare expression (`FisherAnchor: ...`, `list[float]: ...`), which griffe parses
   and links.
+
+Griffe reads the source (static analysis: the package is not imported to be documented), with one exception: a class
+decorated with `documents_options(...)` (`CFPCallback`, `CFP`, `CFPConfig`) has the `Args:` entries of its
+options written into its docstring at import, from their one declaration (`hf_cfp.integrations.options`); its
+docstring is read from the imported class. Its signature is still read from the source, where it is written out.
 """
 
+import inspect
 import re
 from functools import partial
 
@@ -30,6 +36,8 @@ SECTION = re.compile(r"^(\s*)(Args|Arguments|Parameters|Returns|Raises|Example|E
 ARG_ITEM = re.compile(r"^(\s*)([A-Za-z_*][\w*]*(?:\s*,\s*[A-Za-z_*][\w*]*)*)\s*(?:\((.*)\))?:(.*)$")
 NAMES_WRAPPED = re.compile(r"^\s*[A-Za-z_][\w]*(?:\s*,\s*[A-Za-z_][\w]*)*,\s*$")  # `a, b, c,` then `d: ...`
 RETURN_ITEM = re.compile(r"^(\s*)(?:\[`([^`]+)`\]|`([^`]+)`):(.*)$")  # [`Type`]: ... or `type`: ...
+# The class decorator that writes a docstring's Args: from the option declaration at import (integrations.surfaces)
+DECLARED = "documents_options"
 
 
 class HFStyleDocstrings(griffe.Extension):
@@ -37,9 +45,16 @@ class HFStyleDocstrings(griffe.Extension):
 
     def on_package(self, *, pkg: griffe.Module, **kwargs) -> None:
         for obj in _objects(pkg):
+            if obj.docstring is not None and obj.is_class and any(_calls(d.value, DECLARED) for d in obj.decorators):
+                obj.docstring.value = inspect.cleandoc(griffe.dynamic_import(obj.path).__doc__)
             if obj.docstring is not None:
                 text = _sections(obj.docstring.value)
                 obj.docstring.value = REFERENCE.sub(partial(_reference, pkg, obj), text)
+
+
+def _calls(decorator: str | griffe.Expr, name: str) -> bool:
+    """Whether a decorator expression is a call of the function `name` (`name(...)`, `module.name(...)`)."""
+    return str(decorator).partition("(")[0].rpartition(".")[2] == name
 
 
 def _objects(obj: griffe.Object):

@@ -1,5 +1,6 @@
 """CFPCallback: Cumulative Fisher Protection as a transformers TrainerCallback (glue over the loop API, `CFP`)."""
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -15,17 +16,17 @@ from .loop import CFP, anchor_list
 from .options import CALLBACK, LOOP, ProtectionOptions
 from .recheck import AnchorRecheck
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
-from .resolve import PendingAnchor, load_anchor, resolve_anchor
+from .resolve import AnchorLike, PendingAnchor, load_anchor, resolve_anchor
 from .resume import checkpoint_dir, public_checkpoint, saved_theta0
 from .settings import ProtectionSettings
-from .strength import first_lr
-from .surfaces import takes_options
+from .strength import LamSchedule, first_lr
+from .surfaces import documents_options, option_entries
 from .trace import tag_model, write_provenance
 
 logger = logging.get_logger(__name__)
 
 
-@takes_options(CALLBACK)
+@documents_options(option_entries(CALLBACK))
 class CFPCallback(TrainerCallback):
     r"""
     A [`~transformers.TrainerCallback`] that keeps training off the parameter directions a capability is
@@ -65,8 +66,29 @@ class CFPCallback(TrainerCallback):
     ```
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # the signature: CALLBACK's options (takes_options)
-        options = ProtectionOptions.given(CALLBACK, *args, **kwargs)
+    def __init__(  # the options CFPCallback takes, as declared (`options.signature_of(CALLBACK)`; tested)
+        self,
+        anchor: AnchorLike | Sequence[AnchorLike],
+        lam: float | Sequence[float] | LamSchedule | None = None,
+        *,
+        kl_budget: float | Sequence[float] | None = None,
+        scale_lam_with_lr: bool = False,
+        monitor: Sequence[AnchorLike] = (),
+        free_fraction: float = 0.99,
+        fisher_dtype: str = "float32",
+        sparse: float | None = None,
+        sparse_by: str = "coordinates",
+        lora_rule: str = "proximal_b",
+        strict: bool = True,
+        restart_path_on_resume: bool = False,
+        compute_if_missing: Any = None,
+        push_if_computed: bool = False,
+        estimate_kwargs: dict[str, Any] | None = None,
+        recheck_every: int | None = None,
+        recheck_prompts: Any = None,
+        refresh_fisher: bool = False,
+    ) -> None:
+        options = ProtectionOptions.of_call(CALLBACK, locals())
         self.options = options
         self.anchors = [
             resolve_anchor(a, options.compute_if_missing, options.push_if_computed, options.estimate_kwargs)

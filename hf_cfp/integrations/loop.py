@@ -9,14 +9,15 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..protection import Theta0Pieces
+from ..protection.theta0 import Theta0Reader
 from .options import LOOP, ProtectionOptions
 from .resolve import AnchorLike, load_anchor
 from .settings import ProtectionSettings
-from .strength import first_lr
-from .surfaces import takes_options
+from .strength import LamSchedule, first_lr
+from .surfaces import documents_options, option_entries
 
 
-@takes_options(LOOP)
+@documents_options(option_entries(LOOP))
 class CFP:
     r"""
     Cumulative Fisher Protection in a loop you write: bind at construction (theta0 = the model's weights now, or
@@ -42,8 +43,24 @@ class CFP:
     ```
     """
 
-    def __init__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> None:  # then LOOP's options
-        options = ProtectionOptions.given(LOOP, *args, **kwargs)
+    def __init__(  # the model, then the options CFP takes, as declared (`options.signature_of(LOOP)`; tested)
+        self,
+        model: torch.nn.Module,
+        anchor: AnchorLike | Sequence[AnchorLike],
+        lam: float | Sequence[float] | LamSchedule | None = None,
+        *,
+        kl_budget: float | Sequence[float] | None = None,
+        scale_lam_with_lr: bool = False,
+        monitor: Sequence[AnchorLike] = (),
+        free_fraction: float = 0.99,
+        fisher_dtype: str = "float32",
+        sparse: float | None = None,
+        sparse_by: str = "coordinates",
+        lora_rule: str = "proximal_b",
+        optimizer: torch.optim.Optimizer | None = None,
+        theta0: Theta0Reader | None = None,
+    ) -> None:
+        options = ProtectionOptions.of_call(LOOP, locals())
         anchors = [load_anchor(a) for a in anchor_list(options.anchor)]
         monitors = [load_anchor(m) for m in options.monitor]
         settings = ProtectionSettings.of(options, [a.name for a in anchors], monitors)

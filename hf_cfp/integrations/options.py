@@ -1,16 +1,20 @@
 """Every protection option, declared once: `ProtectionOptions`, one field per option with its type, default, help
 text, the surfaces that take it and the form a YAML key holds it in (as PEFT's `LoraConfig` declares LoRA's).
 
-The surfaces are written from it: `CFPCallback` and `CFP` (their signatures and docstrings' `Args:`,
-`surfaces.takes_options`; a call is bound to them by `ProtectionOptions.given`), and `CFPConfig` (`hf_cfp.launch`:
-one `cfp_` key per option, for YAML, `hf-cfp train` and the Axolotl plugin). The options are validated in one place,
-`settings.ProtectionSettings.of`, which names each option as the surface does (`lam` or `cfp_lam`).
+The surfaces state the options they take statically, so that type checkers and editors see them: `CFPCallback` and
+`CFP` as keyword parameters of `__init__` (`signature_of` is the signature the declaration gives each; a call's
+arguments become options by `ProtectionOptions.of_call`), `CFPConfig` (`hf_cfp.launch`: YAML, `hf-cfp train` and
+the Axolotl plugin) as one `cfp_` field per option. Their docstrings' `Args:` entries are written from the
+declaration (`surfaces.documents_options`), and tests fail when a surface's parameters, types or defaults drift
+from it. The options are validated in one place, `settings.ProtectionSettings.of`, which names each option as the
+surface does (`lam` or `cfp_lam`).
 
-To add an option: one `option(...)` field below (with `on=` if not every surface takes it), then its use.
+To add an option: one `option(...)` field below (with `on=` if not every surface takes it), the same parameter on
+each surface that takes it (a `cfp_` field of `CFPConfig` in its key's form), then its use.
 """
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
@@ -48,7 +52,7 @@ def option(
 
 @dataclass(frozen=True, kw_only=True)
 class ProtectionOptions:
-    """The options of one protected run, as given (`given` binds a call; `settings.ProtectionSettings.of`
+    """The options of one protected run, as given (`of_call` reads a call's; `settings.ProtectionSettings.of`
     validates them)."""
 
     anchor: AnchorLike | Sequence[AnchorLike] = option(
@@ -185,26 +189,11 @@ class ProtectionOptions:
     )
 
     @classmethod
-    def given(cls, surface: str, *args: Any, **kwargs: Any) -> "ProtectionOptions":
-        """The options of a call to `surface` (`CFPCallback(anchor, lam=10.0)`: `anchor, lam=10.0`), bound to its
-        signature (`signature_of`), the options it does not take at their defaults.
-
-        Raises:
-            TypeError: as for any function: no `anchor`, too many positional arguments, an unknown keyword, or an
-                option of another surface (then saying which).
-        """
-        declared = {f.name: f for f in fields(cls)}
-        for name in kwargs:
-            if name in declared and surface not in declared[name].metadata["on"]:
-                raise TypeError(
-                    f"{surface}() got {name!r}, an option of {' and '.join(sorted(declared[name].metadata['on']))} "
-                    "only."
-                )
-        try:
-            bound = signature_of(surface).bind(*args, **kwargs)
-        except TypeError as error:
-            raise TypeError(f"{surface}(): {error}") from None
-        return cls(**bound.arguments)
+    def of_call(cls, surface: str, arguments: Mapping[str, Any]) -> "ProtectionOptions":
+        """The options of a call to `surface`, from its `__init__`'s arguments by name (`locals()`: names that are
+        not options of `surface`, such as `self` or `model`, are left out); the options it does not take at their
+        defaults."""
+        return cls(**{f.name: arguments[f.name] for f in options_on(surface)})
 
     def arguments(self, surface: str) -> dict[str, Any]:
         """{name: value} of the options `surface` takes, to call it with: `CFP(model, **options.arguments(LOOP))`."""
@@ -217,8 +206,9 @@ def options_on(surface: str) -> list[Field]:
 
 
 def signature_of(surface: str) -> inspect.Signature:
-    """The options of `surface` as call parameters: `BY_POSITION` ones positional or keyword, the others
-    keyword-only; each with its declared type and default (required when it has none)."""
+    """The options of `surface` as the call parameters the declaration gives them: `BY_POSITION` ones positional or
+    keyword, the others keyword-only; each with its declared type and default (required when it has none).
+    `CFPCallback.__init__`'s parameters (and `CFP.__init__`'s after `model`) are written out to equal it (tested)."""
     parameters = []
     for f in options_on(surface):
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD if f.name in BY_POSITION else inspect.Parameter.KEYWORD_ONLY

@@ -1,39 +1,36 @@
-"""The declaration written out for readers: `takes_options(surface)` gives a class the signature of its surface's
-options (what `inspect.signature` and `help()` show) and one entry per option in its docstring's `Args:`, both
-from `options.ProtectionOptions`; `with_arguments` writes such entries (`CFPConfig` writes its `cfp_` keys' too)."""
+"""The declaration written out for readers: `documents_options(entries)` ends a class docstring's `Args:` with one
+entry per option (what `help()` shows, and the API reference: docs/hf_docstrings.py reads these docstrings from the
+imported classes), `option_entries(surface)` gives the entries of a surface's options from
+`options.ProtectionOptions`, and `argument_head` and `shown_type` write an entry's first line (`CFPConfig` writes
+its `cfp_` keys' with them). The signatures themselves are written out in the source (type checkers read them)."""
 
-import inspect
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, Field
 from typing import Any, TypeVar, get_args
 
-from .options import options_on, signature_of
+from .options import options_on
 
 Class = TypeVar("Class", bound=type)
 
 WIDTH = 119  # the docstrings' line length, as the source's
 
 
-def takes_options(surface: str) -> Callable[[Class], Class]:
-    """Class decorator for a class whose `__init__(self, <leading>, *args, **kwargs)` binds `args` and `kwargs` with
-    `ProtectionOptions.given(surface, ...)`: `__init__` gets the signature (self, <leading>, <surface's options>)
-    and the class docstring's `Args:` section ends with the options' entries (after any written there, such as
-    `model`)."""
+def documents_options(entries: Sequence[tuple[str, str]]) -> Callable[[Class], Class]:
+    """Class decorator: the class docstring's `Args:` section ends with `entries` ((first line, description), as
+    `option_entries` gives them), after any entries written there (such as `model`)."""
 
     def decorate(cls: Class) -> Class:
-        init = vars(cls)["__init__"]
-        parameters = list(inspect.signature(init).parameters.values())
-        variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-        if [p.kind for p in parameters[-2:]] != list(variadic):
-            raise TypeError(f"{cls.__name__}.__init__ must end with *args, **kwargs, for ProtectionOptions.given.")
-        options = signature_of(surface).parameters.values()
-        init.__signature__ = inspect.Signature([*parameters[:-2], *options])
-        entries = [(argument_head(f.name, shown_type(f), f.default), f.metadata["help"]) for f in options_on(surface)]
         cls.__doc__ = with_arguments(cls.__doc__, entries)
         return cls
 
     return decorate
+
+
+def option_entries(surface: str) -> list[tuple[str, str]]:
+    """The `Args:` entries ((first line, description)) of the options `surface` takes: name, type as shown, default,
+    and the declared help."""
+    return [(argument_head(f.name, shown_type(f), f.default), f.metadata["help"]) for f in options_on(surface)]
 
 
 def shown_type(option: Field) -> str:

@@ -3,9 +3,9 @@
 when built, and turned into the `CFPCallback` they describe."""
 
 from collections.abc import Callable
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, Field, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from ..anchor.hub import looks_like_local_path, parse_reference
 from ..errors import AnchorValidationError, CFPArgumentError
@@ -23,13 +23,11 @@ from ..integrations.options import (
     options_on,
 )
 from ..integrations.settings import ProtectionSettings
-from ..integrations.surfaces import argument_head, shown_type, with_arguments
+from ..integrations.surfaces import argument_head, documents_options, shown_type
 from ..loading.prompts import CALIBRATION_SETS, load_prompts
 
 CONFIG_KEYS = [CONFIG_PREFIX + option.name for option in options_on(CONFIG)]  # CFPConfig's fields, Axolotl's keys
 PROMPT_SOURCES = f"a bundled calibration set ({', '.join(CALIBRATION_SETS)}) or a .jsonl/.json/.txt file of prompts"
-
-Config = TypeVar("Config")
 
 
 def _read_prompts(key: str, source: str | None) -> list | None:
@@ -109,37 +107,52 @@ KEY_FORMS = {
 }
 
 
-def _with_cfp_keys(cls: type[Config]) -> type[Config]:
-    """`cls` as a dataclass with one field `cfp_<name>` per option that CFPConfig takes, typed and defaulted as its
-    form holds it (TRL's parser reads both from the field), its help the option's and the form's note (what
-    `--help` shows), and each in the docstring's `Args:`."""
-    cls.__annotations__ = {}
+def key_of(option: Field) -> tuple[str, Any, Any]:
+    """The `cfp_` key of `option` as CFPConfig declares it: its name, its type for TRL's parser (the option's own
+    for a value, else its form's) and its default (the option's for a value, else None)."""
+    form = KEY_FORMS[option.metadata["form"]]
+    if form.type is None:
+        return CONFIG_PREFIX + option.name, option.type, option.default
+    return CONFIG_PREFIX + option.name, form.type, None
+
+
+def key_help(option: Field) -> str:
+    """What the `cfp_` key of `option` says (`--help`, the docstring): the option's help, then its form's note."""
+    return " ".join(part for part in (option.metadata["help"], KEY_FORMS[option.metadata["form"]].note) if part)
+
+
+def _key_entries() -> list[tuple[str, str]]:
+    """CFPConfig's `Args:` entries: one per `cfp_` key, typed as its form shows it; a required one says so."""
     entries = []
     for option in options_on(CONFIG):
-        form, key = KEY_FORMS[option.metadata["form"]], CONFIG_PREFIX + option.name
-        default = option.default if form.type is None else None
-        text = " ".join(part for part in (option.metadata["help"], form.note) if part)
-        cls.__annotations__[key] = form.type or option.type
-        setattr(cls, key, field(default=default, metadata={"help": text.replace("%", "%%")}))  # argparse's % format
+        key, _, default = key_of(option)
         required = option.default is MISSING
-        head = argument_head(key, form.shown_type or shown_type(option), MISSING if required else default)
-        entries.append((head, text + (" Required." if required else "")))
-    cls.__doc__ = with_arguments(cls.__doc__, entries)
-    return dataclass(cls)
+        type_text = KEY_FORMS[option.metadata["form"]].shown_type or shown_type(option)
+        head = argument_head(key, type_text, MISSING if required else default)
+        entries.append((head, key_help(option) + (" Required." if required else "")))
+    return entries
 
 
-@_with_cfp_keys
+def _described(name: str) -> dict[str, str]:
+    """The metadata of option `name`'s `cfp_` field: its help as TRL's parser shows it (`--help`; `%` escaped for
+    argparse's format)."""
+    (option,) = (o for o in options_on(CONFIG) if o.name == name)
+    return {"help": key_help(option).replace("%", "%%")}
+
+
+@documents_options(_key_entries())
+@dataclass
 class CFPConfig:
     r"""
     Configuration of Cumulative Fisher Protection for config-driven training (`hf-cfp train {sft,dpo,grpo}`).
 
     Each field is a [`CFPCallback`] argument with a `cfp_` prefix, so that it never collides with the keys of TRL's
     configs: [`~trl.TrlParser`] and [`~transformers.HfArgumentParser`] read it from a YAML file (`cfp_lam: 10.0`) or
-    the command line (`--cfp_lam 10.0`; lists as `--cfp_anchor a b`). The fields are written from the option
-    declaration (`hf_cfp.integrations.options.ProtectionOptions`), each option's key holding it in its form: anchor
-    references, numbers (one or one per anchor), a prompt source, or the value itself. The values are checked when
-    the config is built (`__post_init__`), by the callback's own rules with the keys' names, before any model is
-    loaded; [`~CFPConfig.build_callback`] makes the callback.
+    the command line (`--cfp_lam 10.0`; lists as `--cfp_anchor a b`). There is one field per option of the
+    declaration (`hf_cfp.integrations.options.ProtectionOptions`) that CFPConfig takes, each key holding its option
+    in its form: anchor references, numbers (one or one per anchor), a prompt source, or the value itself; their
+    help is the declaration's. The values are checked when the config is built (`__post_init__`), by the callback's
+    own rules with the keys' names, before any model is loaded; [`~CFPConfig.build_callback`] makes the callback.
 
     Args:
 
@@ -157,6 +170,25 @@ class CFPConfig:
     cfp_lam: 10.0
     ```
     """
+
+    # The cfp_ keys in the declaration's order, each typed and defaulted as `key_of` gives it (tested)
+    cfp_anchor: list[str] | None = field(default=None, metadata=_described("anchor"))
+    cfp_lam: list[float] | None = field(default=None, metadata=_described("lam"))
+    cfp_kl_budget: list[float] | None = field(default=None, metadata=_described("kl_budget"))
+    cfp_scale_lam_with_lr: bool = field(default=False, metadata=_described("scale_lam_with_lr"))
+    cfp_monitor: list[str] | None = field(default=None, metadata=_described("monitor"))
+    cfp_free_fraction: float = field(default=0.99, metadata=_described("free_fraction"))
+    cfp_fisher_dtype: str = field(default="float32", metadata=_described("fisher_dtype"))
+    cfp_sparse: float | None = field(default=None, metadata=_described("sparse"))
+    cfp_sparse_by: str = field(default="coordinates", metadata=_described("sparse_by"))
+    cfp_lora_rule: str = field(default="proximal_b", metadata=_described("lora_rule"))
+    cfp_strict: bool = field(default=True, metadata=_described("strict"))
+    cfp_restart_path_on_resume: bool = field(default=False, metadata=_described("restart_path_on_resume"))
+    cfp_compute_if_missing: str | None = field(default=None, metadata=_described("compute_if_missing"))
+    cfp_push_if_computed: bool = field(default=False, metadata=_described("push_if_computed"))
+    cfp_recheck_every: int | None = field(default=None, metadata=_described("recheck_every"))
+    cfp_recheck_prompts: str | None = field(default=None, metadata=_described("recheck_prompts"))
+    cfp_refresh_fisher: bool = field(default=False, metadata=_described("refresh_fisher"))
 
     def __post_init__(self) -> None:
         for option in options_on(CONFIG):

@@ -1,7 +1,8 @@
 """One declaration of every protection option: CFPCallback's keyword arguments, the loop API's (CFP) and CFPConfig's
-`cfp_` keys are one set with one default each, apart from the options stated below as one surface's; every call is
-bound to the declared signature; the signatures and docstrings that `inspect.signature`, `help()` and the API
-docs show list every argument with its type and default."""
+`cfp_` keys are one set with one default each, apart from the options stated below as one surface's; each surface's
+signature, written out in the source for type checkers, is the declared one (names, kinds, types, defaults), and a
+call that does not fit it is refused; the docstrings that `help()` and the API docs show list every argument with
+its type, default and declared help."""
 
 import dataclasses
 import inspect
@@ -14,7 +15,16 @@ import torch
 from support.tiny import anchor_for, tiny_llama
 
 from hf_cfp import CFP, CFPArgumentError, CFPCallback, CFPConfig
-from hf_cfp.integrations.options import CALLBACK, CONFIG, EVERYWHERE, LOOP, ProtectionOptions
+from hf_cfp.integrations.options import (
+    CALLBACK,
+    CONFIG,
+    EVERYWHERE,
+    LOOP,
+    ProtectionOptions,
+    options_on,
+    signature_of,
+)
+from hf_cfp.launch.config import key_help, key_of
 
 # What not every surface takes, and why: a Trainer's callback finds the anchors, the checkpoints and the prompts to
 # re-estimate from; a loop of one's own passes its optimizer and, resuming, its theta0; a dict of estimate_fisher
@@ -110,16 +120,50 @@ def test_only_anchor_and_lam_go_by_position_and_each_surface_refuses_the_others_
         "anchor",
         "lam",
     ]
-    with pytest.raises(TypeError, match=r"CFPCallback\(\): too many positional arguments"):
+    with pytest.raises(TypeError, match=r"CFPCallback.__init__\(\) takes from 2 to 3 positional arguments but 4"):
         CFPCallback(anchor, 3.0, ())  # monitor by position: it would have been silently something else
-    with pytest.raises(TypeError, match=r"CFPCallback\(\) got 'optimizer', an option of CFP only"):
-        CFPCallback(anchor, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(TypeError, match=r"CFP\(\) got 'strict', an option of CFPCallback and CFPConfig only"):
-        CFP(model, anchor, strict=False)
-    with pytest.raises(TypeError, match=r"CFPCallback\(\): got an unexpected keyword argument 'lamb'"):
+    with pytest.raises(TypeError, match=r"CFPCallback.__init__\(\) got an unexpected keyword argument 'optimizer'"):
+        CFPCallback(anchor, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))  # an option of CFP only
+    with pytest.raises(TypeError, match=r"CFP.__init__\(\) got an unexpected keyword argument 'strict'"):
+        CFP(model, anchor, strict=False)  # an option of CFPCallback and CFPConfig only
+    with pytest.raises(TypeError, match=r"CFPCallback.__init__\(\) got an unexpected keyword argument 'lamb'"):
         CFPCallback(anchor, lamb=1.0)
-    with pytest.raises(TypeError, match=r"CFP\(\): missing a required argument: 'anchor'"):
+    with pytest.raises(TypeError, match=r"CFP.__init__\(\) missing 1 required positional argument: 'anchor'"):
         CFP(model)
+
+
+@pytest.mark.parametrize(("cls", "surface", "leading"), [(CFPCallback, CALLBACK, []), (CFP, LOOP, ["model"])])
+def test_the_written_signature_is_the_declared_one(cls, surface, leading):
+    """Adding, renaming or retyping an option in one place and not the other fails here: the parameters after the
+    leading ones are the declaration's for the surface, with the same kind, annotation and default."""
+    written = list(inspect.signature(cls).parameters.values())
+    assert [p.name for p in written[: len(leading)]] == leading
+    declared = list(signature_of(surface).parameters.values())
+    assert [p.name for p in written[len(leading) :]] == [p.name for p in declared]
+    for parameter, option in zip(written[len(leading) :], declared, strict=True):
+        assert parameter == option, (parameter, option)  # name, kind, annotation and default
+        assert type(parameter.default) is type(option.default), parameter.name
+
+
+def test_the_cfp_keys_are_the_declared_options_in_their_forms():
+    """CFPConfig's fields, written out in the source: one per option it takes, in the declaration's order, each
+    typed and defaulted as its form holds the option (what TRL's parser reads), with the declared help."""
+    keys, declared = dataclasses.fields(CFPConfig), options_on(CONFIG)
+    assert [(f.name, f.type, f.default) for f in keys] == [key_of(option) for option in declared]
+    for key, option in zip(keys, declared, strict=True):
+        assert type(key.default) is type(key_of(option)[2]), key.name
+        assert key.metadata["help"] == key_help(option).replace("%", "%%"), key.name
+
+
+@pytest.mark.parametrize(("cls", "surface"), [(CFPCallback, CALLBACK), (CFP, LOOP), (CFPConfig, CONFIG)])
+def test_the_docstrings_entries_are_written_from_the_declaration(cls, surface):
+    text = "".join(cls.__doc__.split())  # wrapped at any width
+    for option in options_on(surface):
+        if cls is CFPConfig:
+            name, description = key_of(option)[0], key_help(option)
+        else:
+            name, description = option.name, option.metadata["help"]
+        assert f"\n        {name} (" in cls.__doc__ and "".join(description.split()) in text, name
 
 
 def test_each_keyword_reaches_the_options_and_the_callbacks_loop_gets_the_shared_ones():
