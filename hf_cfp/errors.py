@@ -33,6 +33,11 @@ class CFPHubError(CFPError, RuntimeError):
     """The Hub refused or failed a request (server error, permissions, network)."""
 
 
+class CollectiveDeviceError(CFPError, RuntimeError):
+    """Tensors handed to one collective sit on several devices, or on one the process group's backend cannot
+    reduce (NCCL reduces CUDA tensors only)."""
+
+
 def plural(number: int, noun: str, spec: str = "d") -> str:
     """`number` formatted with `spec` (`"d"`, `","`, `"+d"`), then `noun` with an `s` unless |number| is 1:
     `plural(1, "parameter")` is "1 parameter", `plural(3, "anchor")` "3 anchors", `plural(-1, "group", "+d")`

@@ -5,6 +5,11 @@ Small anchors are one `fisher.safetensors`. Anchors larger than `max_shard_size`
 (`{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}`), as transformers writes
 `model.safetensors.index.json`. When both layouts are present the single file wins, as in
 transformers. Never pickle.
+
+What huggingface_hub's serialization helpers do here and what they cannot: its public API has no size parser (the
+one its shard splitters use is private and knows decimal units only, not the "2GiB" transformers' `save_pretrained`
+takes), so `parse_size` is ours; the shard plan, the staged writes and the reads stay ours too (`_plan_shards` and
+`_write_staged` say why).
 """
 
 import json
@@ -64,7 +69,15 @@ def parse_size(size: int | str) -> int:
 
 
 def _plan_shards(tensors: Mapping[str, torch.Tensor], limit: int, itemsize: int) -> list[list[str]]:
-    """Greedy split in insertion order; a tensor larger than `limit` gets a shard of its own."""
+    """Greedy split in insertion order: each shard a run of consecutive names; a tensor larger than `limit` closes
+    the shard before it and gets a shard of its own.
+
+    Not huggingface_hub's `split_state_dict_into_shards_factory` (nor `split_torch_state_dict_into_shards`): for a
+    tensor larger than the limit it opens a shard of its own and goes on filling the current one past it, so the
+    shards are no longer runs of consecutive names and the count changes (tensors of 160, 400, 28, 1200 and 256
+    bytes under a 1000-byte limit: 2 shards there, 3 here, which the storage tests pin); the torch variant also
+    sizes a tensor in its own dtype, not the storage dtype, and puts tensors that share memory together, which
+    `_stored` copies apart."""
     shards: list[list[str]] = []
     current: list[str] = []
     current_size = 0
@@ -170,7 +183,11 @@ def _write_staged(
 ) -> list[str]:
     """Write each (file name, tensor names) of `outputs`, and the index when there are several, under temporary
     names in `directory`, then rename them all into place; no temporary file is left, whatever fails. Returns the
-    file names written."""
+    file names written.
+
+    Not huggingface_hub's `save_torch_state_dict`, which writes the same file names and index: it removes the
+    previous files first and writes in place (a failure mid-save loses the previous anchor), puts the metadata in
+    the single file's or the index's header only (here every file carries it) and leaves save_file's 0600 mode."""
     staged = []
     try:
         for filename, names in outputs:

@@ -5,11 +5,12 @@ Depends on the pure math in `hf_cfp.ops` only; protection binds anchors through 
 """
 
 from .layout import refuse_unsupported_layout
-from .processes import all_reduce_sum_, log_on_main_process, process_rank_and_count
+from .processes import all_reduce_sum_, collective_device, log_on_main_process, process_rank_and_count
 from .shards import local_tensor
 
 __all__ = [
     "all_reduce_sum_",
+    "collective_device",
     "local_tensor",
     "log_on_main_process",
     "process_rank_and_count",

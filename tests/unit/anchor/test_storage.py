@@ -91,13 +91,15 @@ def test_float16_and_unknown_dtypes_are_refused(tmp_path):
         (1000, 1000),
         ("1000", 1000),
         (" 3 MB ", 3 * 10**6),
+        ("512B", 512),
+        ("1TiB", 2**40),
     ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["", "5XB", "-1MB", "0", 0, -5, True, None, 1.5, "GB"])
+@pytest.mark.parametrize("bad", ["", "5XB", "-1MB", "0", 0, -5, True, None, 1.5, "GB", "nanGB", "infGB", "0.0001KB"])
 def test_parse_size_refuses_bad_sizes(bad):
     with pytest.raises(CFPArgumentError, match="max_shard_size"):
         parse_size(bad)
