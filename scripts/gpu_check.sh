@@ -9,15 +9,19 @@
 #      F 4 (2 as bf16) read, parameter 2 written = 10 (8)). The copy's GB/s is the device's attainable bandwidth.
 #   4. estimate_fisher on CUDA (135M-shaped bf16 model, 32 sequences of 32 new tokens, batch 16): sequences/s of
 #      the batched engine and of the per-sequence loop, and the peak CUDA memory
-#   5. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
+#   5. scripts/bench_sampling.py --device cuda --rounds 3: on-policy sampling of the embedded SmolLM2-135M (16 prompts x
+#      32 new tokens, batch 8) by `model.generate` with the support recorder against the token-by-token sampler it
+#      replaced (read from git: in a copy of the tree without .git, generate's tokens/s alone); its RESULT line
+#      carries sampling_generate_vs_by_hand (issue 32)
+#   6. scripts/bench_fisher.py --models tiny small: the engines side by side. It runs on the CPU (it has no device
 #      option): CPU figures of this machine, to set beside the CPU table of docs/reports/performance.md.
-#   6. scripts/bench_kfac.py --device cuda --rounds 2 --threads 8: the K-FAC estimate (full rank, and rank 256 with its tails)
+#   7. scripts/bench_kfac.py --device cuda --rounds 2 --threads 8: the K-FAC estimate (full rank, and rank 256 with its tails)
 #      vs the diagonal one; the K-FAC correction (full rank; rank 256 with tails, and with a zero tail; rank 256 of
 #      the factored weights alone) vs an AdamW step; floats per parameter (full; rank 256, factored weights). Its
 #      RESULT line carries the kfac_rank256_* keys of issue 30 and its tables are printed in the SUMMARY. The
 #      eigendecompositions run on the CPU (float64), hence 8 threads; two K-FAC estimates a round, hence 2 rounds
 #      (about 30 s of eigendecompositions per K-FAC estimate expected: 2 minutes or more in all).
-#   7. scripts/plan_7b.py: the paper-plan for Qwen2.5-7B, Llama-3-8B and Llama-3-70B on 8 GPUs, FSDP2 and DDP, rank
+#   8. scripts/plan_7b.py: the paper-plan for Qwen2.5-7B, Llama-3-8B and Llama-3-70B on 8 GPUs, FSDP2 and DDP, rank
 #      256 with tails beside kfac_rank=None (computed, not measured; seconds); its RESULT lines in the SUMMARY
 # Each step is capped (580 s in all, under the 10 minutes of one device call; about 6 minutes expected). Then a
 # SUMMARY block with every RESULT line. Optional, with >= 2 GPUs:
@@ -52,7 +56,7 @@ print("torch", torch.__version__, "| CUDA", torch.version.cuda, "|", torch.cuda.
       "| bf16", torch.cuda.is_bf16_supported(), "| transformers", transformers.__version__)
 PY
 
-step cuda_tests 100 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
+step cuda_tests 70 "$python" -m pytest -m cuda -q -rs -p no:cacheprovider tests/integration/test_cuda.py
 step bench_memory 120 "$python" scripts/bench_memory.py --device cuda --rounds 5
 step cuda_estimate 90 "$python" - <<'PY'
 import sys
@@ -89,9 +93,10 @@ for engine in ("batched", "loop"):
     print(f"ESTIMATE engine={engine} sequences_per_s={sequences / seconds:.1f} seconds={seconds:.2f} peak_cuda_GiB={peak:.2f}"
           f" (135M-shaped bf16, {sequences} sequences x {new_tokens} new tokens, batch 16, sampling included)")
 PY
+step bench_sampling 40 "$python" scripts/bench_sampling.py --device cuda --rounds 3
 step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --models tiny small --batch 16 --max-new-tokens 32 --repeats 2
 step bench_kfac 180 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 2 --threads 8
-step plan_7b 30 "$python" scripts/plan_7b.py
+step plan_7b 20 "$python" scripts/plan_7b.py
 
 echo; echo "=== SUMMARY (logs in $logs)"
 grep -h "passed\|failed\|skipped" "$logs/cuda_tests.log" | tail -1
@@ -100,6 +105,7 @@ awk '/^BANDWIDTH/ { for (i = 2; i <= NF; i++) { split($i, kv, "="); v[kv[1]] = k
      if (v["copy"] > 0) printf "correction dense at %.0f%% of copy bandwidth, bf16 F at %.0f%%\n",
        100 * v["correction_dense"] / v["copy"], 100 * v["correction_bf16f"] / v["copy"] }' "$logs/bench_memory.log"
 grep -h "^ESTIMATE\|^GENERATE" "$logs/cuda_estimate.log"
+grep -h "^RESULT" "$logs/bench_sampling.log" | sed 's/^/bench_sampling (cuda) /'
 grep -h "^RESULT" "$logs/bench_fisher_cpu.log" | sed 's/^/bench_fisher (CPU) /'
 grep -h "^|" "$logs/bench_kfac.log"
 grep -h "^RESULT" "$logs/bench_kfac.log" | sed 's/^/bench_kfac (cuda) /'

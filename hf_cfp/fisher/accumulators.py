@@ -1,9 +1,10 @@
 """What an estimate sums over its scored groups, adds across processes and turns into the anchor's tensors.
 
 `estimate_fisher` drives a `FisherSums`: `add` for every group of samples a process scores, one all-reduce of
-`reduced()`, then `finish()`. `DiagonalSums` is the diagonal Fisher's: per parameter, the sums of squared
-per-sequence scores of the two halves of the calibration sequences. Another structure of F (Kronecker factors
-summed in the batched engine's hooks beside the squares) is another `FisherSums`.
+`reduced()` (on the parameters' device) and one of `counts()` (on `parallel.collective_device()`), then `finish()`.
+`DiagonalSums` is the diagonal Fisher's: per parameter, the sums of squared per-sequence scores of the two halves of
+the calibration sequences. Another structure of F (Kronecker factors summed in the batched engine's hooks beside the
+squares) is another `FisherSums`.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -28,7 +29,12 @@ class FisherSums(Protocol):
         ...
 
     def reduced(self) -> list[torch.Tensor]:
-        """The tensors summed across processes (in place) before `finish`."""
+        """The sums added across processes (in place) before `finish`, each beside its parameter (one device)."""
+        ...
+
+    def counts(self) -> list[torch.Tensor]:
+        """The counters added across processes (in place) before `finish`: float64, on
+        `parallel.collective_device()`, all-reduced apart from the sums (a collective takes one device)."""
         ...
 
     def refine(self, model) -> list[torch.Tensor]:
@@ -125,6 +131,10 @@ class DiagonalSums:
 
     def reduced(self) -> list[torch.Tensor]:
         return [*self.second, *self.first]
+
+    def counts(self) -> list[torch.Tensor]:
+        """No counters: the sequence counts are known to every process."""
+        return []
 
     def refine(self, model) -> list[torch.Tensor]:
         """The diagonal sums are complete after one pass."""

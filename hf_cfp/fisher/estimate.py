@@ -4,7 +4,8 @@ The stages, each its own piece: the arguments checked (`_check_arguments`, `Samp
 (`sampling.SamplingSettings`), the calibration sequences and their split over processes and halves
 (`calibration.CalibrationPlan`), their responses drawn or given (`_OnPolicy`, `_Given`), the groups scored
 together, one sample per token for the token estimator (`calibration.ScoringGroups`), the sums they add to
-(`accumulators.DiagonalSums`), one all-reduce, and the anchor's metadata (`_metadata`).
+(`accumulators.DiagonalSums`), their all-reduce (the sums on the parameters' device, the counters on
+`parallel.collective_device()`: a collective takes tensors of one device), and the anchor's metadata (`_metadata`).
 """
 
 import contextlib
@@ -16,7 +17,7 @@ from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
 from ..names import named_parameters_once
-from ..parallel import all_reduce_sum_, process_rank_and_count
+from ..parallel import all_reduce_sum_, collective_device, process_rank_and_count
 from ..version import __version__
 from .accumulators import ENGINE_FUNCTIONS, DiagonalSums, FisherSums
 from .calibration import CalibrationPlan, ScoringGroups
@@ -101,8 +102,8 @@ def estimate_fisher(
     statistics cover that diagonal part. Sequence and empirical estimators only.
 
     Args:
-        model: a causal LM (`model(input_ids).logits`); returned in its original train/eval mode,
-            with no `.grad` written.
+        model: a causal LM (`model(input_ids).logits`; on-policy sampling runs its `generate`); returned in its
+            original train/eval mode, with no `.grad` written.
         tokenizer: needed for text or chat prompts; may be None for token-id prompts.
         prompts: strings (chat models get their chat template), chat message lists, token-id
             lists, or a `datasets.Dataset` with a `prompt` column.
@@ -110,8 +111,9 @@ def estimate_fisher(
         max_new_tokens: longest response.
         batch_size: sequences sampled together (left-padded, KV cache).
         seed: the same seed, batch_size and scoring_tokens give the same anchor bit for bit (on one
-            process).
-        temperature, top_k, top_p: the sampler (explicit; the model's generation config is ignored).
+            process and one kind of device: a CPU and a GPU draw different sequences).
+        temperature, top_k, top_p: the sampler (explicit; the model's generation config is ignored, and one that
+            sets a setting generate would add to the sampler, such as `suppress_tokens` or `min_p`, is refused).
         name: the capability name, used in metric keys.
         estimator: "sequence", "token" or "empirical" (see above).
         engine: "batched" or "loop".
@@ -180,7 +182,8 @@ def estimate_fisher(
         ):
             source = _OnPolicy(settings, bar) if labels is None else _Given(labels, plan, bar)
             response_tokens = _score_batches(model, prompt_ids, plan, source, groups, sums)
-            all_reduce_sum_([*sums.reduced(), response_tokens])
+            all_reduce_sum_(sums.reduced())  # beside the parameters
+            all_reduce_sum_([response_tokens, *sums.counts()])  # on collective_device()
             all_reduce_sum_(sums.refine(model))  # K-FAC factors too wide to form: a second pass over their sketches
     fisher, bases, reliability = sums.finish()
     metadata = _metadata(
@@ -201,8 +204,8 @@ def estimate_fisher(
 
 def _score_batches(model, prompt_ids, plan: CalibrationPlan, source, groups: ScoringGroups, sums: FisherSums):
     """Every batch of this process: its prompts, their responses (`source`), each half's groups added to `sums`.
-    Returns the number of response tokens, float64 [1] (all-reduced with the sums)."""
-    response_tokens = torch.zeros(1, dtype=torch.float64)
+    Returns the number of response tokens, float64 [1] on `collective_device()` (to be all-reduced)."""
+    response_tokens = torch.zeros(1, dtype=torch.float64, device=collective_device())
     for k in plan.batches:
         indices = plan.indices(k)
         batch = plan.cycled(prompt_ids, indices)

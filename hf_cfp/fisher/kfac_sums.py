@@ -10,6 +10,7 @@ from transformers.pytorch_utils import Conv1D
 
 from ..anchor.kfac import with_tails
 from ..ops.kfac import KroneckerBasis
+from ..parallel import collective_device
 from .accumulators import DiagonalSums
 from .kfac_factors import DenseFactor, KroneckerSums, SketchedFactor, Spectrum, kfac_kind
 
@@ -57,7 +58,7 @@ class KroneckerFisherSums:
             for m, w in zip(factored.values(), self.weights, strict=True)
         ]
         self.params = [*self.diagonal.params, *self.weights]
-        self.tokens = torch.zeros(1, dtype=torch.float64)
+        self.tokens = torch.zeros(1, dtype=torch.float64, device=collective_device())  # T, a counter (`counts`)
         self.rank, self.anchor_name, self.show_progress = rank, anchor_name, show_progress
         sketched = any(isinstance(f, SketchedFactor) for s in self.sums for f in (s.inputs, s.outputs))
         self.scored: list[tuple[list, list, list]] | None = [] if sketched else None  # replayed by `refine`
@@ -86,7 +87,11 @@ class KroneckerFisherSums:
         return [t for f in factors if f.sketched for t in f.target.tensors()]  # type: ignore[attr-defined]
 
     def reduced(self) -> list[torch.Tensor]:
-        return [*self.diagonal.reduced(), *(t for s in self.sums for t in s.tensors()), self.tokens]
+        return [*self.diagonal.reduced(), *(t for s in self.sums for t in s.tensors())]
+
+    def counts(self) -> list[torch.Tensor]:
+        """[T], the positions scored, on `parallel.collective_device()`."""
+        return [self.tokens]
 
     def finish(self) -> tuple[dict[str, torch.Tensor], dict[str, KroneckerBasis], dict | None]:
         """(the diagonal F by name, the K-FAC weights' eigenbases by name, the diagonal part's split-half

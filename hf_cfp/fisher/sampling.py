@@ -1,35 +1,48 @@
 """The sampler's own distribution, used both to draw responses and to score them.
 
-Drawing and scoring go through the same `Sampler.log_probs`, so the score
-d/dtheta log mu(y|x) is centered under the distribution mu that drew y:
+Responses are drawn by `model.generate` (`sample_with_supports`); its logits processors are mu's warpers,
+transformers' own, in the order generate applies them, then a recorder (`SupportRecorder`):
 
     mu(.|s) = renormalize(truncate_top_p(truncate_top_k(softmax(z / temperature))))
 
-(temperature, then top-k, then top-p, the order transformers applies them). With
-temperature 1 and no truncation mu is the model's own pi.
+With temperature 1 and no truncation mu is the model's own pi. Scoring uses `Sampler.log_probs`, the same mu
+written out (tested against plain Python and against the warpers), so the score d/dtheta log mu(y|x) is centered
+under the distribution mu that drew y. generate gets a fresh `GenerationConfig` with every setting that shapes
+the distribution given explicitly (`generation_config`): sampling, no warper of its own (mu's come as processors,
+ahead of the recorder, which therefore sees the very scores generate draws from), no penalties, no minimum
+length; a model whose generation config sets one that only None turns off is refused (`check_generation_config`).
 
-The support S of a truncated mu is kept from sampling to scoring (`sample_with_supports`,
-`pack_support`). Scoring runs another forward (right-padded, no KV cache) whose logits differ from
-the sampling ones in the last bits; recomputing S from them can move a token across the k-th or
-nucleus boundary (bf16 on a GPU makes near-ties common), and a drawn token outside the recomputed
-S would get log mu = -inf and a finite, wrong score. The estimator needs the score of the
-distribution that drew y, so scoring uses the sampling-time S with the scoring-time logits:
+The support S of a truncated mu is kept from sampling to scoring (the recorder, `pack_support`). Scoring runs
+another forward (right-padded, no KV cache) whose logits differ from the sampling ones in the last bits;
+recomputing S from them can move a token across the k-th or nucleus boundary (bf16 on a GPU makes near-ties
+common), and a drawn token outside the recomputed S would get log mu = -inf and a finite, wrong score. The
+estimator needs the score of the distribution that drew y, so scoring uses the sampling-time S with the
+scoring-time logits:
 
     log mu_S(y) = z_y / T - log sum_{a in S} exp(z_a / T),    y in S,
 
 differentiated with S held fixed -- the derivative of the truncated, renormalized distribution,
 since S is piecewise constant in theta. Raising an error instead would stop an estimation at
 every such near-tie; scoring against a recomputed S would be off-center even when y stays inside.
+
+Randomness: generate draws from the global random state of the model's device. Each call forks it
+(`seeded_rng`) and seeds it from one draw of the batch's own stream (`batch_generator(seed, k)`), so any split
+of the batches over processes draws the same tokens, and the caller's random state is left as it was. The same
+seed gives the same sequences on the same kind of device; a CPU and a GPU draw different ones. The sequences
+differ from those drawn before sampling went through generate (issue 32; up to commit af1a428 each token was
+drawn by `torch.multinomial` on the CPU from the stream itself): the same distribution, other tokens.
 """
 
 import hashlib
-import inspect
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..errors import CFPArgumentError
+from .generation import SupportRecorder, check_generation_config, generation_config, seeded_rng, until_eos
 
 
 def _is_number(value) -> bool:
@@ -80,6 +93,19 @@ class Sampler:
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             scores = scores.masked_fill(drop, float("-inf"))
         return scores.log_softmax(dim=-1)
+
+    def warpers(self) -> list[LogitsProcessor]:
+        """mu as transformers' logits warpers, in the order generate applies them: z / temperature, then the top-k
+        (`top_k` largest kept, ties at the k-th kept too), then the top-p (the smallest top set whose mass reaches
+        `top_p`); those that change nothing are left out. softmax of their output is `log_probs(z).exp()`."""
+        warpers: list[LogitsProcessor] = []
+        if self.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k is not None:
+            warpers.append(TopKLogitsWarper(self.top_k))
+        if self.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
 
     def as_dict(self) -> dict:
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
@@ -175,14 +201,6 @@ def sample_responses(
     return sample_with_supports(model, prompts, sampler, max_new_tokens, eos_ids, pad_id, generator)[0]
 
 
-def kv_cache_argument(model) -> str:
-    """The name of the KV-cache argument and output of `model`'s forward: `cache` (transformers 5 renamed it;
-    passing `past_key_values` then warns that it is deprecated) or `past_key_values`. A PeftModel's forward
-    takes `**kwargs` and hands them to its base model, so the base model's signature decides."""
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def sample_with_supports(
     model,
@@ -194,51 +212,38 @@ def sample_with_supports(
     generator: torch.Generator,
     on_step: Callable[[int], object] | None = None,
 ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Draw one response per prompt from mu with a KV cache, prompts left-padded in one batch, and
-    keep the support of mu each token was drawn from.
+    """Draw one response per prompt from mu with `model.generate` on the model's device, prompts left-padded in
+    one batch, and keep the support of mu each token was drawn from.
 
-    A response ends with (and includes) the first EOS token, or after `max_new_tokens`.
-    supports[b] is None when the sampler does not truncate (the support is the whole vocabulary),
-    else the packed masks (`pack_support`) of response b's tokens, uint8 (len(response), ceil(V / 8))
-    on the CPU: V / 8 bytes per drawn token, what scoring needs to use the same support.
-    `on_step(k)`, if given, is called after every generation step with k, the number of responses that
-    got a token at that step (so the k's sum to sum_b len(responses[b])): a progress bar moves with it.
+    y_t ~ mu(. | x, y_<t), mu = softmax of `sampler.warpers()` applied to the last logits; the random state is
+    seeded from `generator` (`seeded_rng`). A response ends with (and includes) the first EOS token, or after
+    `max_new_tokens`; the padding generate writes after it is not returned. supports[b] is None when the sampler
+    does not truncate (the support is the whole vocabulary), else the packed masks (`pack_support`) of response
+    b's tokens, uint8 (len(response), ceil(V / 8)) on the CPU: V / 8 bytes per drawn token, what scoring needs
+    to use the same support. `on_step(k)`, if given, is called at every generation step with k, the number of
+    responses that get a token at that step (so the k's sum to sum_b len(responses[b])): a progress bar moves
+    with it.
+
+    Raises:
+        CFPArgumentError: `model` has no `generate`, or its generation config sets a setting that would change
+            mu (`check_generation_config`).
     """
+    check_generation_config(model)
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    responses: list[list[int]] = [[] for _ in prompts]
-    steps: list[torch.Tensor] = []  # the packed support of every row at every step
-    done = [False] * len(prompts)
-    cache_name = kv_cache_argument(model)
-    cache, step_ids = None, input_ids
-    for _ in range(max_new_tokens):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-        out = model(
-            input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, **{cache_name: cache}
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
+    recorder = SupportRecorder(width, eos, pack_support if sampler.truncates else None, on_step)
+    with seeded_rng(generator, device):
+        sequences = model.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            generation_config=generation_config(max_new_tokens, eos_ids, pad_id),
+            logits_processor=LogitsProcessorList([*sampler.warpers(), recorder]),
         )
-        cache = getattr(out, cache_name, None)
-        if cache is None:
-            raise CFPArgumentError(
-                f"{type(model).__name__} returned no KV cache ({cache_name!r}) with use_cache=True: on-policy "
-                "sampling needs a causal LM that generates with a cache, e.g. an AutoModelForCausalLM."
-            )
-        log_mu = sampler.log_probs(out.logits[:, -1])
-        if sampler.truncates:
-            steps.append(pack_support(log_mu > float("-inf")).cpu())
-        tokens = torch.multinomial(log_mu.exp().cpu(), 1, generator=generator).squeeze(1).tolist()
-        growing = [row for row in range(len(tokens)) if not done[row]]
-        for row in growing:
-            responses[row].append(tokens[row])
-            done[row] = tokens[row] in eos_ids
-        if on_step is not None:
-            on_step(len(growing))
-        if all(done):
-            break
-        step_ids = torch.tensor(tokens, device=device).unsqueeze(1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    if not steps:
+    responses = [until_eos(row, eos_ids) for row in sequences[:, width:].tolist()]
+    if not recorder.supports:
         return responses, [None] * len(prompts)
-    packed = torch.stack(steps, dim=1)  # row b drew a token at every step until its EOS
+    packed = torch.stack(recorder.supports, dim=1).cpu()  # row b drew a token at every step until its EOS
     return responses, [packed[b, : len(r)] for b, r in enumerate(responses)]

@@ -19,6 +19,7 @@ from support.tiny import tiny_llama
 from support.training import last_cfp_logs, short_run
 
 from hf_cfp import CFPCallback, estimate_fisher
+from hf_cfp.fisher.sampling import SamplingSettings
 from hf_cfp.ops import proximal_pull_
 from hf_cfp.protection import CFPState, MemoryPlan
 
@@ -151,8 +152,10 @@ def test_drift_metrics_on_cuda_against_float64_loop(plan_name):
 
 def test_estimate_fisher_on_cuda_batched_matches_loop_and_cpu(monkeypatch):
     """estimate_fisher on a tiny Llama on CUDA. float32: the batched engine equals the loop engine (the exact
-    per-sequence reference) as on the CPU (rtol 1e-5), and the CPU's anchor within rtol 1e-4 (float32 kernels
-    that sum in another order; the sampled tokens are the same: drawn on the CPU from the same generator).
+    per-sequence reference) as on the CPU (rtol 1e-5), and the CPU's anchor on the same tokens within rtol 1e-4
+    (float32 kernels that sum in another order). generate draws on the model's device, from its random state, so
+    the CPU would draw other tokens: the CPU run is given the CUDA run's draws (`SamplingSettings.draw` replayed),
+    while the loop engine on CUDA draws them again from the same seed.
     bf16: batched and loop within 2^-5 in relative L2 per tensor (each score goes through a bf16 forward and
     backward, a few 2^-8 roundings, then is squared; 0.3% measured on the CPU's bf16 kernels)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 here
@@ -162,10 +165,21 @@ def test_estimate_fisher_on_cuda_batched_matches_loop_and_cpu(monkeypatch):
     def llama():
         return tiny_llama(vocab_size=24, seed=3, eos_token_id=5)
 
-    cpu = estimate_fisher(llama(), None, prompts, engine="batched", **options)
+    draw, drawn = SamplingSettings.draw, {}
+
+    def recording(settings, model, batch, k, on_step=None):
+        drawn[k] = draw(settings, model, batch, k, on_step)
+        return drawn[k]
+
     model = llama().to(CUDA)
-    batched = estimate_fisher(model, None, prompts, engine="batched", **options)
+    cuda_random_state = torch.cuda.get_rng_state(CUDA)
+    with monkeypatch.context() as patch:
+        patch.setattr(SamplingSettings, "draw", recording)
+        batched = estimate_fisher(model, None, prompts, engine="batched", **options)
+        patch.setattr(SamplingSettings, "draw", lambda settings, model, batch, k, on_step=None: drawn[k])
+        cpu = estimate_fisher(llama(), None, prompts, engine="batched", **options)
     loop = estimate_fisher(model, None, prompts, engine="loop", **options)
+    assert torch.equal(torch.cuda.get_rng_state(CUDA), cuda_random_state)  # generate drew from a forked state
     assert batched.metadata["mean_response_tokens"] == loop.metadata["mean_response_tokens"]
     assert batched.metadata["mean_response_tokens"] == cpu.metadata["mean_response_tokens"]
     for name, want in loop.fisher.items():

@@ -34,6 +34,27 @@ def ref_sequence_score(model, prompt, response):
     return [g.double() for g in torch.autograd.grad(log_prob, params)]
 
 
+def py_sampler_probs(row, temperature, top_k, top_p):
+    """Plain Python: z/tau; keep the top_k largest; softmax; keep the smallest top set whose
+    cumulative probability reaches top_p; renormalize."""
+    z = [v / temperature for v in row]
+    order = sorted(range(len(z)), key=lambda a: z[a], reverse=True)
+    if top_k is not None:
+        order = order[:top_k]
+    peak = max(z[a] for a in order)
+    weights = {a: math.exp(z[a] - peak) for a in order}
+    total = sum(weights.values())
+    probs = {a: w / total for a, w in weights.items()}
+    kept, cumulative = [], 0.0
+    for a in order:
+        kept.append(a)
+        cumulative += probs[a]
+        if cumulative >= top_p:
+            break
+    mass = sum(probs[a] for a in kept)
+    return [probs[a] / mass if a in kept else 0.0 for a in range(len(z))]
+
+
 def drift_reference(deltas, fisher, name, free_fraction=0.99):
     """The drift metrics in float64, one expression each, of displacements `deltas` (weight name -> tensor)
     under `fisher` (weight name -> F): sqrt(sum F d^2), ||d|| where F <= the k-th smallest F over these

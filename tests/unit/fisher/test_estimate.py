@@ -565,7 +565,7 @@ class _SequenceClassifier(torch.nn.Module):
 
 
 class _NoCache(torch.nn.Module):
-    """A causal LM forward (per-token logits) that ignores use_cache and returns no KV cache."""
+    """A causal LM forward (per-token logits) with no KV cache and no generate()."""
 
     def __init__(self):
         super().__init__()
@@ -595,8 +595,8 @@ def test_a_model_that_cannot_generate_gets_a_clear_error(model, words, estimator
     assert words in str(caught.value) and ".logits" in str(caught.value)
 
 
-def test_a_model_without_a_kv_cache_gets_a_clear_error_when_sampling():
-    with pytest.raises(CFPArgumentError, match="no KV cache"):
+def test_a_model_without_generate_gets_a_clear_error_when_sampling():
+    with pytest.raises(CFPArgumentError, match=r"_NoCache has no generate\(\).*AutoModelForCausalLM"):
         _estimate_text(_NoCache(), tiny_tokenizer())
 
 

@@ -2,34 +2,12 @@
 own logits warpers, and its gradient: the score of the truncated distribution."""
 
 import itertools
-import math
 
 import pytest
 import torch
+from support.references import py_sampler_probs
 
 from hf_cfp.fisher.sampling import Sampler, pack_support, unpack_support
-
-
-def py_sampler_probs(row, temperature, top_k, top_p):
-    """Plain Python: z/tau; keep the top_k largest; softmax; keep the smallest top set whose
-    cumulative probability reaches top_p; renormalize."""
-    z = [v / temperature for v in row]
-    order = sorted(range(len(z)), key=lambda a: z[a], reverse=True)
-    if top_k is not None:
-        order = order[:top_k]
-    peak = max(z[a] for a in order)
-    weights = {a: math.exp(z[a] - peak) for a in order}
-    total = sum(weights.values())
-    probs = {a: w / total for a, w in weights.items()}
-    kept, cumulative = [], 0.0
-    for a in order:
-        kept.append(a)
-        cumulative += probs[a]
-        if cumulative >= top_p:
-            break
-    mass = sum(probs[a] for a in kept)
-    return [probs[a] / mass if a in kept else 0.0 for a in range(len(z))]
-
 
 SAMPLER_SETTINGS = [
     (1.0, None, 1.0),
@@ -79,6 +57,10 @@ def test_sampler_matches_transformers_warpers(temperature, top_k, top_p):
     torch.testing.assert_close(
         Sampler(temperature, top_k, top_p).log_probs(logits).exp(), scores.softmax(-1), rtol=1e-5, atol=1e-6
     )
+    warped = logits.clone()  # what generate draws from: Sampler.warpers(), in order, the same scores
+    for warper in Sampler(temperature, top_k, top_p).warpers():
+        warped = warper(None, warped)
+    assert torch.equal(warped, scores)
 
 
 def test_sampler_log_probs_gradient_is_score_of_truncated_distribution():
