@@ -1,9 +1,10 @@
 """`hf-cfp estimate`: estimate a Fisher anchor on a model's own samples and save it.
 
 Every argument and input file is checked before the model loads (`checks`, the sampler's and the anchor
-name's own validation, the prompts read), and those cheap checks before `--model`'s, which needs the embedded
-model's package (the `demo` extra) when it names `smollm2-135m`; under `accelerate launch` each process
-estimates its share of the sequences and the main process saves.
+name's own validation, the prompts read), and those cheap checks before `--model`'s, which needs the
+embedded model's package (the `demo` extra) when it names `smollm2-135m`; then `--device`; a Hub model id is
+resolved (the cache first) as the model loads. Under `accelerate launch` each process estimates its share of the
+sequences and the main process saves.
 """
 
 from accelerate import PartialState
@@ -16,28 +17,18 @@ from ..fisher.sampling import Sampler
 from ..loading.models import load_causal_lm
 from ..loading.prompts import load_prompts
 from .checks import check_output_directory
-from .model_source import check_model_source
+from .model_source import check_model_source, model_placement
 
 
 def run(args) -> None:
-    """Check the arguments, load the model, estimate, save to `--output` and print the anchor's scale."""
-    check_output_directory(args.output, "--output")
-    try:
-        validate_anchor_name(args.name)
-    except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
-        raise CFPArgumentError(f"--name: {error}") from None
-    Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
-    if args.kfac_rank is not None and args.structure != "kfac":
-        raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
-    try:
-        check_structure(args.structure, args.kfac_rank, args.estimator)  # the rest of estimate_fisher's rule
-    except CFPArgumentError as error:
-        raise CFPArgumentError(f"--structure: {error}") from None
-    prompts = load_prompts(args.prompts)
+    """Check the arguments, load the model (on `--device`, by default this process's accelerator as accelerate sees
+    it, else the CPU; in `--dtype`, by default bfloat16 on a GPU and float32 elsewhere), estimate, save to `--output`
+    and print the anchor's scale."""
+    prompts = _checked_prompts(args)
     check_model_source(args.model)  # last: the embedded model's check needs an installed extra
     state = PartialState()  # joins the process group under `accelerate launch` / torchrun
-    model, tokenizer = load_causal_lm(args.model)
-    model.to(state.device)
+    device, dtype = model_placement(args.device, args.dtype, state.device)
+    model, tokenizer = load_causal_lm(args.model, dtype=dtype, device=device)
     anchor = estimate_fisher(
         model,
         tokenizer,
@@ -64,3 +55,24 @@ def run(args) -> None:
             f"Saved {anchor!r} to {args.output}: total mass {stats['total_mass']:.4g}, "
             f"p99 {stats['p99']:.3g}, top 1% holds {stats['top1pct_mass_share']:.1%}"
         )
+
+
+def _checked_prompts(args) -> list:
+    """The prompts of `--prompts`, read after the checks of `--output`, `--name`, the sampler and the structure.
+
+    Raises:
+        CFPArgumentError: the first argument at fault, named.
+    """
+    check_output_directory(args.output, "--output")
+    try:
+        validate_anchor_name(args.name)
+    except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
+        raise CFPArgumentError(f"--name: {error}") from None
+    Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
+    if args.kfac_rank is not None and args.structure != "kfac":
+        raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
+    try:
+        check_structure(args.structure, args.kfac_rank, args.estimator)  # the rest of estimate_fisher's rule
+    except CFPArgumentError as error:
+        raise CFPArgumentError(f"--structure: {error}") from None
+    return load_prompts(args.prompts)

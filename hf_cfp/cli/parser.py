@@ -13,6 +13,8 @@ from .failures import EXIT_USAGE
 
 ANCHOR_REFERENCE = "anchor directory, or Hub reference org/model[@revision][:subfolder]"
 STRUCTURES = ("diagonal", "kfac")  # fisher.estimate_checks.STRUCTURES (not imported: it imports torch)
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # loading.models.DTYPES (not imported: it imports torch)
+MODEL = "local model directory, .gguf file, smollm2-135m (the embedded model), or Hub id org/name[@revision]"
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -120,7 +122,7 @@ def _add_estimate(commands, debug) -> None:
     estimate = commands.add_parser(
         "estimate", parents=[debug], help="estimate a Fisher anchor and save it (accelerate launch for many processes)"
     )
-    estimate.add_argument("--model", default="smollm2-135m", help="local model directory, .gguf file, or smollm2-135m")
+    _add_model_arguments(estimate)
     sets = ", ".join(CALIBRATION_SETS)
     estimate.add_argument("--prompts", default="math", help=f"bundled set name ({sets}) or a .jsonl/.json/.txt file")
     estimate.add_argument("--output", required=True, help="directory to save the anchor to")
@@ -149,6 +151,23 @@ def _add_estimate(commands, debug) -> None:
         "--kfac-rank", type=positive_int, default=None, help="with --structure kfac: eigenpairs kept per factor"
     )
     estimate.set_defaults(handler="estimate:run")
+
+
+def _add_model_arguments(command: argparse.ArgumentParser) -> None:
+    """`--model`, `--dtype` and `--device` (estimate, diagnose)."""
+    command.add_argument("--model", default="smollm2-135m", help=MODEL)
+    command.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="the model's parameters (default: bfloat16 on a GPU, float32 on a CPU; auto: the checkpoint's own)",
+    )
+    command.add_argument(
+        "--device",
+        default=None,
+        help="cpu, cuda, cuda:N (default: cuda if torch sees one, else cpu; under accelerate launch, each process's "
+        "own GPU)",
+    )
 
 
 def _add_anchor_commands(commands, debug) -> None:
@@ -198,7 +217,7 @@ def _add_diagnose(commands, debug) -> None:
         help="where an SFT batch's gradient lies against anchors' top-1%% F, and the Fisher bound on it",
     )
     diagnose.add_argument("--anchor", nargs="+", required=True, help="anchor directories or Hub references")
-    diagnose.add_argument("--model", default="smollm2-135m", help="the anchors' model: directory, .gguf, smollm2-135m")
+    _add_model_arguments(diagnose)
     diagnose.add_argument(
         "--data",
         default="pirate_style",
@@ -206,7 +225,7 @@ def _add_diagnose(commands, debug) -> None:
     )
     diagnose.add_argument("--num-examples", type=positive_int, default=None, help="the first N pairs (default all)")
     diagnose.add_argument("--batch-size", type=positive_int, default=8, help="rows per forward (memory only)")
-    diagnose.add_argument("--offline", action="store_true", help="use the local cache only")
+    diagnose.add_argument("--offline", action="store_true", help="use the local cache only (anchors and model)")
     diagnose.set_defaults(handler="diagnose:run")
 
 

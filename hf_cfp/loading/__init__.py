@@ -1,6 +1,7 @@
-"""What the command line, the launcher and the demo load, offline: causal LMs (`models`: a local directory, a
-GGUF file, the embedded SmolLM2-135M, a tiny random Llama and tokenizer built in memory), the bundled prompt and
-task sets (`prompts`, with `data/`), and SFT examples made from (prompt, response) pairs (`examples`).
+"""What the command line, the launcher and the demo load: causal LMs (`models`: a local directory, a GGUF file,
+the embedded SmolLM2-135M, a Hub model id resolved through the cache (`hub_models`), a tiny random Llama and
+tokenizer built in memory), the bundled prompt and task sets (`prompts`, with `data/`), and SFT examples made from
+(prompt, response) pairs (`examples`).
 
 `load_embedded_model` is imported on first use (module `__getattr__`), so that `hf_cfp.loading.prompts` (data
 only) can be read without torch, as `hf-cfp --help` does.

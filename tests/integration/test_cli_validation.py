@@ -3,7 +3,9 @@ a model loader that fails the test if it is called, each mistake exits with code
 with every argument right, the loader is reached (so the patched loader is the one the command uses)."""
 
 import pytest
+import torch
 
+from hf_cfp import FisherAnchor
 from hf_cfp.cli import main
 
 
@@ -58,6 +60,9 @@ MISTAKES = {
     "missing model": (["--model", "{dir}/no-model"], "--model '{dir}/no-model': no such file or directory"),
     "model directory without config": (["--model", "{dir}"], "is a directory without config.json"),
     "model file not gguf": (["--model", "{dir}/a-file"], "is a file but not a .gguf"),
+    "bare model name": (["--model", "mymodel"], "'mymodel': no such file or directory; give a local model directory"),
+    "unknown dtype": (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
+    "unknown device": (["--device", "gpu"], "--device 'gpu': Expected one of cpu, cuda"),
     "kfac rank without kfac": (["--kfac-rank", "8"], "--kfac-rank applies to --structure kfac"),
     "kfac rank zero": (["--structure", "kfac", "--kfac-rank", "0"], "argument --kfac-rank: must be an integer >= 1"),
     "unknown structure": (["--structure", "blocks"], "argument --structure: invalid choice: 'blocks'"),
@@ -83,6 +88,43 @@ def test_estimate_with_right_arguments_reaches_the_loader(inputs, no_model_load)
     with pytest.raises(LoaderReached):
         main(estimate(inputs, "--prompts", str(inputs / "good.txt"), "--top-p", "1", "--top-k", "5"))
     assert no_model_load == [(str(inputs / "model"),)]
+
+
+def test_cuda_without_a_gpu_is_refused_before_loading(inputs, no_model_load, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    with pytest.raises(SystemExit) as exited:
+        main(estimate(inputs, "--device", "cuda"))
+    assert exited.value.code == 2 and "--device 'cuda': torch sees no CUDA device here" in capsys.readouterr().err
+    assert no_model_load == []
+
+
+PLACEMENTS = {  # flags -> what the loader gets on a machine without a GPU (dtype default: float32 off a GPU)
+    (): {"dtype": "float32", "device": torch.device("cpu")},
+    ("--dtype", "bfloat16"): {"dtype": "bfloat16", "device": torch.device("cpu")},
+    ("--dtype", "auto", "--device", "cpu"): {"dtype": "auto", "device": torch.device("cpu")},
+}
+
+
+@pytest.mark.parametrize("flags", PLACEMENTS)
+def test_dtype_and_device_reach_the_loader(inputs, monkeypatch, flags):
+    if torch.cuda.is_available():
+        pytest.skip("the defaults differ on a GPU")
+    received = []
+
+    def loader(model, **kwargs):
+        received.append(kwargs)
+        raise LoaderReached
+
+    monkeypatch.setattr("hf_cfp.cli.estimate.load_causal_lm", loader)
+    monkeypatch.setattr("hf_cfp.cli.diagnose.load_causal_lm", loader)
+    (inputs / "good.txt").write_text("2 + 2?\n")
+    FisherAnchor({"w": [1.0]}, name="math").save_pretrained(inputs / "anchor")
+    diagnose = ["diagnose", "--anchor", str(inputs / "anchor")]
+    for command in (estimate(inputs, "--prompts", str(inputs / "good.txt")), diagnose):
+        with pytest.raises(LoaderReached):
+            main([*command, "--model", str(inputs / "model"), *flags])
+    assert received[0] == PLACEMENTS[flags] and received[1] == {**PLACEMENTS[flags], "local_files_only": False}
 
 
 def test_diagnose_refuses_a_missing_data_file_before_loading(inputs, no_model_load, capsys):

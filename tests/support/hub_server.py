@@ -175,12 +175,16 @@ class LocalHub:
     def as_default_endpoint(self) -> Iterator["LocalHub"]:
         """Make this hub huggingface_hub's *default* endpoint for the duration (``constants.ENDPOINT`` and
         ``HUGGINGFACE_CO_URL_TEMPLATE``, read at import time, and ``HF_ENDPOINT`` for subprocesses), so that a
-        call without ``endpoint=`` lands here, never on huggingface.co. Create ``HfApi()`` inside the block."""
+        call without ``endpoint=`` lands here, never on huggingface.co. Create ``HfApi()`` inside the block.
+        transformers keeps one ``HfApi`` for the process, made at its first Hub call with the endpoint of that
+        moment (``transformers.utils.hub.hf_api()``): it starts empty inside the block and is dropped after it, so
+        that ``from_pretrained`` in a later test does not call a stopped hub (it retries with backoff for ~90 s)."""
         from huggingface_hub import constants
 
         template = self.endpoint + "/{repo_id}/resolve/{revision}/{filename}"
         with (
             mock.patch.multiple(constants, ENDPOINT=self.endpoint, HUGGINGFACE_CO_URL_TEMPLATE=template),
+            mock.patch("transformers.utils.hub._hf_api", None),
             _setenv("HF_ENDPOINT", self.endpoint),
         ):
             yield self
