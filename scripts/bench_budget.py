@@ -32,7 +32,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from hf_cfp import CFPState
+    from hf_cfp.protection import CFPState
     from hf_cfp.protection import diagonal as diagonal_module
 
     torch.set_num_threads(args.threads)

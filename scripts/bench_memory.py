@@ -111,8 +111,7 @@ def main():
     if args.stats_worker:
         return stats_worker()
 
-    from hf_cfp import CFPState
-    from hf_cfp.protection import MemoryPlan
+    from hf_cfp.protection import CFPState, MemoryPlan
 
     device = torch.device(args.device)
     timed = synchronized(device)

@@ -75,7 +75,7 @@ def main():
 
     from peft import LoraConfig, get_peft_model
 
-    from hf_cfp import CFPState
+    from hf_cfp.protection import CFPState
 
     torch.set_num_threads(args.threads)
     base = smollm2_135m_shaped()

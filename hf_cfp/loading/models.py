@@ -120,7 +120,8 @@ def load_embedded_model():
     Example:
 
     ```python
-    from hf_cfp import estimate_fisher, load_embedded_model
+    from hf_cfp import estimate_fisher
+    from hf_cfp.loading import load_embedded_model
 
     model, tokenizer = load_embedded_model()
     anchor = estimate_fisher(model, tokenizer, ["What is 12 * 7?"], num_sequences=8, max_new_tokens=32)

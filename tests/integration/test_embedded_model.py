@@ -10,9 +10,10 @@ import os
 import pytest
 import torch
 
-from hf_cfp import CFPCallback, estimate_fisher, load_embedded_model
+from hf_cfp import CFPCallback, estimate_fisher
 from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
+from hf_cfp.loading import load_embedded_model
 from hf_cfp.loading.prompts import calibration_prompts
 
 # Located, not imported (so not `importorskip`): the wheel's __init__ imports `llm`, which is not

@@ -22,9 +22,10 @@ from support.tiny import accelerate_launch, anchor_for, tiny_llama, tiny_tokeniz
 
 needs("trl", "datasets")
 
-from hf_cfp import CFPArgumentError, FisherAnchor  # noqa: E402
+from hf_cfp import FisherAnchor  # noqa: E402
 from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
 from hf_cfp.cli import main  # noqa: E402
+from hf_cfp.errors import CFPArgumentError  # noqa: E402
 from hf_cfp.launch.train import parse_train_arguments, train_main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

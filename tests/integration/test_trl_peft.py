@@ -23,8 +23,9 @@ from peft import LoraConfig  # noqa: E402
 from support.references import drift_reference  # noqa: E402
 from support.tiny import anchor_for, tiny_llama, tiny_tokenizer  # noqa: E402
 
-from hf_cfp import AnchorMismatchError, CFPCallback  # noqa: E402
+from hf_cfp import CFPCallback  # noqa: E402
 from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
+from hf_cfp.errors import AnchorMismatchError  # noqa: E402
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
 SENS, FREE, TOTAL = "cfp/math/sensitive_drift", "cfp/math/free_drift", "cfp/total_drift"

@@ -9,8 +9,11 @@ import pytest
 import torch
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import CFPArgumentError, CFPState, FisherAnchor, KLEstimate
+from hf_cfp import FisherAnchor
+from hf_cfp.errors import CFPArgumentError
+from hf_cfp.evaluation import KLEstimate
 from hf_cfp.names import LOGGED_METRICS, SENSITIVE_DRIFT, TOTAL_DRIFT, canonical_name, metrics_table
+from hf_cfp.protection import CFPState
 
 
 def test_wrapper_prefixes_are_removed():

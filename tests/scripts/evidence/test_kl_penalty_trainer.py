@@ -12,7 +12,7 @@ from support.tiny import tiny_llama
 from support.training import full_batch_rows, full_batch_trainer_args
 from transformers import Trainer
 
-from hf_cfp import CFPArgumentError
+from hf_cfp.errors import CFPArgumentError
 
 
 def masked_rows():

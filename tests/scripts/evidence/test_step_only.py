@@ -15,7 +15,8 @@ from support.tiny import tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, last_cfp_logs
 from transformers import Trainer, TrainerState
 
-from hf_cfp import AnchorMismatchError, CFPArgumentError, CFPCallback, CFPError, FisherAnchor
+from hf_cfp import CFPCallback, CFPError, FisherAnchor
+from hf_cfp.errors import AnchorMismatchError, CFPArgumentError
 
 
 def run_trainer(model, tmp_path, callbacks, steps):

@@ -12,8 +12,9 @@ import torch
 from safetensors.torch import save_file
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import AnchorFormatError, AnchorNotFoundError, AnchorValidationError, FisherAnchor
+from hf_cfp import FisherAnchor
 from hf_cfp.anchor.config import MAX_CONFIG_BYTES
+from hf_cfp.errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError
 
 
 def test_round_trip_is_exact(tmp_path):

@@ -7,7 +7,8 @@ import pytest
 import torch
 from support.anchors import same_anchor
 
-from hf_cfp import AnchorMismatchError, AnchorValidationError, CFPArgumentError, FisherAnchor
+from hf_cfp import FisherAnchor
+from hf_cfp.errors import AnchorMismatchError, AnchorValidationError, CFPArgumentError
 
 BASE = {"base_model": "org/base", "base_model_revision": "abc123", "base_fingerprint": {"version": 1, "n": 16}}
 

@@ -7,8 +7,8 @@ from support.anchors import same_anchor
 from support.hub_server import hub_offline_mode, no_backoff_sleep
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import AnchorFormatError, AnchorNotFoundError, AnchorValidationError, FisherAnchor
-from hf_cfp.errors import CFPHubError
+from hf_cfp import FisherAnchor
+from hf_cfp.errors import AnchorFormatError, AnchorNotFoundError, AnchorValidationError, CFPHubError
 
 
 def test_push_to_an_anchors_repo_and_pull_it_back(local_hub, tmp_path):

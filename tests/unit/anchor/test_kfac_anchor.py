@@ -7,10 +7,11 @@ import pytest
 import torch
 from support.tiny import tiny_llama
 
-from hf_cfp import AnchorMismatchError, AnchorValidationError, CFPArgumentError, FisherAnchor, estimate_fisher
+from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.anchor.card import render_card
 from hf_cfp.anchor.compare import compare_anchors
 from hf_cfp.anchor.lazy import LazyFisher
+from hf_cfp.errors import AnchorMismatchError, AnchorValidationError, CFPArgumentError
 
 
 def psd(n: int, seed: int) -> torch.Tensor:

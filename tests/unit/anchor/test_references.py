@@ -9,9 +9,10 @@ import pytest
 from support.hub_server import hub_offline_mode
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import AnchorNotFoundError, CFPCallback, FisherAnchor
+from hf_cfp import CFPCallback, FisherAnchor
 from hf_cfp.anchor import hub
 from hf_cfp.anchor.hub import looks_like_local_path
+from hf_cfp.errors import AnchorNotFoundError
 
 
 @pytest.fixture

@@ -17,8 +17,9 @@ from support.tiny import tiny_llama, tiny_tokenizer
 from support.training import lm_dataset
 from transformers import Trainer, TrainingArguments
 
-from hf_cfp import CFPArgumentError, KLToBaseCallback, kl_to_base, kl_to_base_with_stderr
-from hf_cfp.evaluation import kl_estimate
+from hf_cfp import KLToBaseCallback, kl_to_base
+from hf_cfp.errors import CFPArgumentError
+from hf_cfp.evaluation import kl_estimate, kl_to_base_with_stderr
 
 EOS = 3
 KEY, STDERR_KEY = "cfp/math/kl_to_base", "cfp/math/kl_to_base_stderr"

@@ -10,8 +10,9 @@ import torch
 from support.references import ref_sequence_score
 from support.tiny import tiny_llama, tiny_tokenizer
 
-from hf_cfp import AnchorMismatchError, FisherAnchor
+from hf_cfp import FisherAnchor
 from hf_cfp.cli import main
+from hf_cfp.errors import AnchorMismatchError
 from hf_cfp.fisher.diagnostics import diagnose, diagnose_anchors, sft_signal_log_second_moment
 from hf_cfp.loading.examples import sft_examples
 from hf_cfp.loading.models import load_causal_lm

@@ -23,7 +23,8 @@ from support.enumeration import PROMPTS, T, V, all_responses, enum_model, exact_
 from support.references import ref_sequence_score
 from support.tiny import tiny_llama, tiny_tokenizer
 
-from hf_cfp import CFPArgumentError, estimate_fisher
+from hf_cfp import estimate_fisher
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.fisher.calibration import scoring_groups
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 

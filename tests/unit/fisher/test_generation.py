@@ -14,7 +14,7 @@ from support.enumeration import enum_model
 from support.references import py_sampler_probs
 from support.tiny import tiny_llama
 
-from hf_cfp import CFPArgumentError
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.fisher.generation import UNSETTABLE_GENERATION_SETTINGS, until_eos
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses, sample_with_supports, unpack_support
 

@@ -13,7 +13,8 @@ from support.enumeration import PROMPTS, T, enum_model
 from support.kfac_reference import exact_factors, loop_factors
 from support.tiny import tiny_llama
 
-from hf_cfp import CFPArgumentError, estimate_fisher
+from hf_cfp import estimate_fisher
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.fisher import kfac_factors
 from hf_cfp.fisher.kfac_factors import kfac_kind
 

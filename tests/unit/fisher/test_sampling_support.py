@@ -17,7 +17,8 @@ import torch
 from support.tiny import tiny_llama
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-from hf_cfp import CFPArgumentError, estimate_fisher
+from hf_cfp import estimate_fisher
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.fisher.batched import add_batched_squared_scores
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
 from hf_cfp.fisher.scoring import sequence_log_prob

@@ -4,7 +4,8 @@ names), and an anchor of another base model refused at train begin (a warning wi
 import pytest
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import AnchorMismatchError, CFPArgumentError, CFPCallback
+from hf_cfp import CFPCallback
+from hf_cfp.errors import AnchorMismatchError, CFPArgumentError
 
 
 @pytest.mark.parametrize("lam", [-1.0, float("nan"), float("inf"), "1"])

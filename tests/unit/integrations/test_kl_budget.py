@@ -12,7 +12,8 @@ from support.tiny import anchor_for, tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, train
 from transformers import Trainer, TrainerCallback
 
-from hf_cfp import CFPArgumentError, CFPCallback
+from hf_cfp import CFPCallback
+from hf_cfp.errors import CFPArgumentError
 
 STEPS = 6
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import CFP, CFPArgumentError, CFPCallback, CFPConfig
+from hf_cfp import CFP, CFPCallback
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.integrations.options import (
     CALLBACK,
     CONFIG,
@@ -24,6 +25,7 @@ from hf_cfp.integrations.options import (
     options_on,
     signature_of,
 )
+from hf_cfp.launch import CFPConfig
 from hf_cfp.launch.config import key_help, key_of
 
 # What not every surface takes, and why: a Trainer's callback finds the anchors, the checkpoints and the prompts to

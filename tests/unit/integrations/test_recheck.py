@@ -10,7 +10,8 @@ from support.tiny import tiny_llama
 from support.training import train
 from transformers import TrainerCallback
 
-from hf_cfp import CFPArgumentError, CFPCallback, estimate_fisher
+from hf_cfp import CFPCallback, estimate_fisher
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.fisher.staleness import reestimate, top1_overlap
 
 PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]

@@ -7,8 +7,9 @@ from support.anchors import same_anchor
 from support.tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState
 
-from hf_cfp import AnchorMismatchError, CFPCallback, FisherAnchor, estimate_fisher
+from hf_cfp import CFPCallback, FisherAnchor, estimate_fisher
 from hf_cfp.anchor.lazy import LazyFisher
+from hf_cfp.errors import AnchorMismatchError
 
 
 def test_callback_accepts_a_directory_and_keeps_f_in_the_files(tmp_path):

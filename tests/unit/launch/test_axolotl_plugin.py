@@ -14,7 +14,8 @@ from axolotl.integrations.base import BasePlugin, PluginManager, load_plugin  # 
 from axolotl.utils.config import validate_config  # noqa: E402
 from axolotl.utils.dict import DictDefault  # noqa: E402
 
-from hf_cfp import CFPArgumentError, CFPCallback  # noqa: E402
+from hf_cfp import CFPCallback  # noqa: E402
+from hf_cfp.errors import CFPArgumentError  # noqa: E402
 from hf_cfp.launch.axolotl import CFPPlugin  # noqa: E402
 
 PLUGIN = "hf_cfp.launch.axolotl.CFPPlugin"

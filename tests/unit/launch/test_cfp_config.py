@@ -6,8 +6,10 @@ from support.anchors import same_anchor
 from support.extras import needs
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import CFPArgumentError, CFPConfig, FisherAnchor
+from hf_cfp import FisherAnchor
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.integrations.resolve import PendingAnchor
+from hf_cfp.launch import CFPConfig
 from hf_cfp.launch.config import CONFIG_KEYS
 from hf_cfp.loading.prompts import calibration_prompts
 

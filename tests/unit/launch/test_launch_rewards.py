@@ -4,7 +4,7 @@ built-in names and dotted import paths."""
 import pytest
 from support.extras import needs
 
-from hf_cfp import CFPArgumentError
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.launch.rewards import brevity, last_number_matches, resolve_rewards
 
 

@@ -14,8 +14,10 @@ needs("peft")
 
 from peft import LoraConfig, get_peft_model  # noqa: E402  (after the skip: peft is an extra)
 
-from hf_cfp import CFPArgumentError, CFPState, estimate_fisher  # noqa: E402
+from hf_cfp import estimate_fisher  # noqa: E402
+from hf_cfp.errors import CFPArgumentError  # noqa: E402
 from hf_cfp.names import ADAPTER_RESIDUAL, SENSITIVE_DRIFT  # noqa: E402
+from hf_cfp.protection import CFPState  # noqa: E402
 
 LAM = 20.0
 

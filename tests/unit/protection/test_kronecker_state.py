@@ -11,8 +11,9 @@ import torch
 from support.tiny import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from hf_cfp import CFPArgumentError, FisherAnchor, estimate_fisher
+from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.anchor.kfac import truncate_basis
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.names import FREE_DRIFT, PREDICTED_KL, SENSITIVE_DRIFT, TOTAL_DRIFT
 from hf_cfp.protection import CFPState
 from hf_cfp.protection.kronecker import balanced_owners
@@ -205,7 +206,7 @@ def test_what_has_no_exact_correction_is_refused():
 def test_mismatched_factors_are_an_anchor_mismatch():
     model = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=1)
     bigger = tiny_llama(vocab_size=40, hidden_size=24, layers=1, seed=1)
-    from hf_cfp import AnchorMismatchError
+    from hf_cfp.errors import AnchorMismatchError
 
     with pytest.raises(AnchorMismatchError):
         CFPState(model, kfac_anchor(bigger))

@@ -19,17 +19,10 @@ from support.tiny import anchor_for, tiny_llama, tiny_tokenizer  # noqa: E402
 from support.training import last_cfp_logs, short_run  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, TrainerControl, TrainerState  # noqa: E402
 
-from hf_cfp import (  # noqa: E402
-    AnchorMismatchError,
-    CFPArgumentError,
-    CFPCallback,
-    CFPError,
-    CFPState,
-    FisherAnchor,
-    estimate_fisher,
-)
+from hf_cfp import CFPCallback, CFPError, FisherAnchor, estimate_fisher  # noqa: E402
 from hf_cfp.anchor.fingerprint import model_fingerprint  # noqa: E402
-from hf_cfp.protection import SavedTheta0, save_theta0  # noqa: E402
+from hf_cfp.errors import AnchorMismatchError, CFPArgumentError  # noqa: E402
+from hf_cfp.protection import CFPState, SavedTheta0, save_theta0  # noqa: E402
 
 ADAPTED = [f"model.layers.{i}.self_attn.{p}_proj.weight" for i in range(2) for p in "qv"]
 

@@ -27,9 +27,10 @@ from transformers import (  # noqa: E402
     TrainerState,
 )
 
-from hf_cfp import AnchorMismatchError, CFPCallback, CFPState  # noqa: E402
+from hf_cfp import CFPCallback  # noqa: E402
 from hf_cfp.anchor.fingerprint import check_fingerprint, model_fingerprint  # noqa: E402
-from hf_cfp.protection import peft_view  # noqa: E402
+from hf_cfp.errors import AnchorMismatchError  # noqa: E402
+from hf_cfp.protection import CFPState, peft_view  # noqa: E402
 
 DEVICE = os.environ.get("CFP_TEST_DEVICE", "cpu")
 if DEVICE == "cuda" and not torch.cuda.is_available():

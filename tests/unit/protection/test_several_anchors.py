@@ -5,7 +5,8 @@ import pytest
 import torch
 from support.tiny import anchor_for, tiny_llama
 
-from hf_cfp import CFPArgumentError, FisherAnchor
+from hf_cfp import FisherAnchor
+from hf_cfp.errors import CFPArgumentError
 from hf_cfp.protection import CFPState
 
 
