@@ -4,14 +4,12 @@ steps and the items behind every number, the tables and both plots are written, 
 without training again. Numbers checked: the base model's KL to itself is exactly 0; the unregularized SFT run
 learns its held-out task; WiSE-FT at a = 0.5 is measured without training."""
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from support.extras import needs
+from support.tiny_runs import result_rows, run_tiny
 
 needs("trl", "datasets", "peft")
 
@@ -19,13 +17,9 @@ from longrun.plan import TINY  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the plots need the `demo` extra (matplotlib)")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "long_run.py"
-
 
 def run_script(output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, str(SCRIPT), "--tiny", "--output-dir", str(output_dir), *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return run_tiny("long_run.py", output_dir, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +27,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("long_run")
     done = run_script(out, "--plot")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return out, {row["key"]: row for row in rows}
+    return out, result_rows(out)
 
 
 def test_every_arm_is_measured_along_its_run_and_at_its_end(tiny_run):

@@ -7,14 +7,12 @@ weights); the drift table's entries are the ratios of the stored DtFD values; a 
 smaller K-FAC quadratic, and so does a rank-2 truncation with the mean tail against the zero tail (which leaves the
 rest free); RLOO with the brevity reward moves the weights, and CFP [math] shrinks their math-sensitive drift."""
 
-import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from support.extras import needs
+from support.tiny_runs import result_rows, run_tiny
 
 needs("trl", "datasets")
 
@@ -22,13 +20,9 @@ from evidence.plan import TINY, is_new  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the frontier plot needs the `demo` extra (matplotlib)")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "reproduce_table.py"
-
 
 def run_script(output_dir: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, str(SCRIPT), "--tiny", "--output-dir", str(output_dir), *extra]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return run_tiny("reproduce_table.py", output_dir, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +30,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("evidence")
     done = run_script(out, "--plot")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    return out, done, {row["key"]: row for row in rows}
+    return out, done, result_rows(out)
 
 
 def test_every_arm_ran_and_the_outputs_are_written(tiny_run):
