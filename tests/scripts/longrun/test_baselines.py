@@ -6,13 +6,14 @@ projections only."""
 import copy
 
 import torch
-from evidence.run import tiny_model_and_tokenizer
-from longrun.baselines import Distillation, lora_model, wise_ft
-from support.extras import needs
-
-from hf_cfp.loading.prompts import calibration_prompts
+from support.extras import needs, requires
 
 needs("trl", "datasets")
+
+from evidence.run import tiny_model_and_tokenizer  # noqa: E402
+from longrun.baselines import Distillation, lora_model, wise_ft  # noqa: E402
+
+from hf_cfp.loading.prompts import calibration_prompts  # noqa: E402
 
 
 def perturbed(model, scale=0.05, seed=1):
@@ -67,6 +68,7 @@ def test_wise_ft_interpolates_every_trained_parameter():
         torch.testing.assert_close(got, theta0 + 0.25 * (trained[name] - theta0), rtol=1e-6, atol=1e-7)
 
 
+@requires("peft")
 def test_lora_wraps_the_projections_only():
     base, _ = tiny_model_and_tokenizer()
     wrapped = lora_model(copy.deepcopy(base), 4)
