@@ -105,6 +105,11 @@ TOP1_OVERLAP_NOW = LoggedMetric(
     "the share of the anchor's top-1% coordinates still in the top 1% of F re-estimated at the current weights",
     "with `recheck_every`: the logging step after each recheck, per protecting anchor",
 )
+MEASURED_KL = LoggedMetric(
+    "cfp/<anchor>/measured_kl",
+    "the KL to the base on the base responses of `kl_prompts` at the last measurement, nats: what `kl_budget` holds",
+    "every logging step with `kl_budget` (measured every `kl_every` steps), per protecting anchor",
+)
 KL_TO_BASE = LoggedMetric(
     "cfp/<name>/kl_to_base",
     "the KL from the base model to the current one, estimated on the base model's sampled responses to "
@@ -123,6 +128,7 @@ LOGGED_METRICS = (
     LAM,
     ADAPTER_RESIDUAL,
     TOP1_OVERLAP_NOW,
+    MEASURED_KL,
     KL_TO_BASE,
     KL_TO_BASE_STDERR,
 )

@@ -1,4 +1,4 @@
-"""The README's "Choosing lam" table: SFT on the embedded SmolLM2-135M under CFPCallback(math, kl_budget=B).
+"""The README's "Choosing lam" table: SFT on the embedded SmolLM2-135M under CFPCallback(math, predicted_kl_budget=B).
 
     python scripts/budget_table.py                  # the embedded model, anchors shared with reproduce_table.py
     python scripts/budget_table.py --tiny           # the pipeline on a tiny random model, in seconds

@@ -19,7 +19,8 @@ model with one scoring pass: no copy of the base model is kept.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -94,6 +95,31 @@ class BaseResponses:
     def kl(self, model) -> KLEstimate:
         """KL_hat(mu_0 || mu_theta) with its stderr, theta = `model`'s current weights."""
         return kl_estimate(self.base_log_probs, self.log_probs(model), self.num_samples_per_prompt)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The responses as JSON-ready values (`from_dict` reads them back; the log-probs exactly)."""
+        return {
+            "prompts": self.prompts,
+            "responses": self.responses,
+            "base_log_probs": self.base_log_probs.tolist(),
+            "num_samples_per_prompt": self.num_samples_per_prompt,
+            "sampler": asdict(self.sampler),
+            "pad_id": self.pad_id,
+            "batch_size": self.batch_size,
+        }
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "BaseResponses":
+        """The `BaseResponses` that `to_dict` wrote."""
+        return cls(
+            prompts=[list(p) for p in values["prompts"]],
+            responses=[list(r) for r in values["responses"]],
+            base_log_probs=torch.tensor(values["base_log_probs"], dtype=torch.float64),
+            num_samples_per_prompt=int(values["num_samples_per_prompt"]),
+            sampler=Sampler(**values["sampler"]),
+            pad_id=int(values["pad_id"]),
+            batch_size=int(values["batch_size"]),
+        )
 
 
 def score_responses(model, prompts, responses, sampler: Sampler, pad_id: int, batch_size: int) -> torch.Tensor:

@@ -12,6 +12,8 @@ from ..anchor import FisherAnchor, check_fingerprint
 from ..errors import CFPError, plural
 from ..parallel import refuse_unsupported_layout
 from ..protection import CFPState, peft_view, save_theta0
+from .kl_control import STATE_FILE as KL_STATE_FILE
+from .kl_control import saved_state as saved_kl_state
 from .loop import CFP, anchor_list
 from .options import CALLBACK, LOOP, ProtectionOptions
 from .recheck import AnchorRecheck
@@ -72,6 +74,9 @@ class CFPCallback(TrainerCallback):
         lam: float | Sequence[float] | LamSchedule | None = None,
         *,
         kl_budget: float | Sequence[float] | None = None,
+        kl_prompts: Any = None,
+        kl_every: int = 10,
+        predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
         monitor: Sequence[AnchorLike] = (),
         free_fraction: float = 0.99,
@@ -101,6 +106,7 @@ class CFPCallback(TrainerCallback):
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
         self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
         self._rechecked: dict[str, float] = {}  # top1_overlap_now values for the next log
+        self._kl_lams: list[float] | None = None  # kl_budget's lams at the checkpoint resumed from
 
     @property
     def strict(self) -> bool:
@@ -162,12 +168,15 @@ class CFPCallback(TrainerCallback):
             `list[float]`: one lam_t per protecting anchor.
 
         Raises:
-            CFPError: before training with `kl_budget` or `scale_lam_with_lr` (lam_t then depends on the step).
+            CFPError: before training with `kl_budget`, `predicted_kl_budget` or `scale_lam_with_lr` (lam_t then
+                depends on the step).
             CFPArgumentError: a schedule returned a bad value.
         """
         strength = self.settings.strength
-        if self.protection is None and (strength.kl_budget is not None or strength.scale_with_lr):
-            raise CFPError("lam_at: with kl_budget or scale_lam_with_lr, lam_t is known only during training.")
+        if self.protection is None and (strength.predicted_kl_budget is not None or strength.scale_with_lr):
+            raise CFPError(
+                "lam_at: with predicted_kl_budget or scale_lam_with_lr, lam_t is known only during training."
+            )
         return strength.lams(step, self._step_lr, self.protection)  # type: ignore[arg-type]
 
     def on_train_begin(
@@ -195,8 +204,18 @@ class CFPCallback(TrainerCallback):
                 for bound in (*anchors, *self.monitors):
                     fingerprint = bound.metadata.get("base_fingerprint")
                     check_fingerprint(fingerprint, model, bound.name, self.strict, view.base if view else None)
-            options = replace(self.options, anchor=anchors, monitor=self.monitors, optimizer=optimizer, theta0=theta0)
+            kl_prompts = self._kl_prompts(model, kwargs.get("processing_class"), resumed_from, state.global_step)
+            options = replace(
+                self.options,
+                anchor=anchors,
+                monitor=self.monitors,
+                optimizer=optimizer,
+                theta0=theta0,
+                kl_prompts=kl_prompts,
+            )
             self.cfp = CFP(model, **options.arguments(LOOP))
+            if self._kl_lams is not None:  # resumed under kl_budget: the controller's lams at the checkpoint
+                self.cfp.protection.lams = self._kl_lams
             strength = self.settings.strength  # per process: under sharding each describes the coordinates it holds
             logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
             if self.cfp.protection.sparse_report is not None:
@@ -205,6 +224,29 @@ class CFPCallback(TrainerCallback):
         self._optimizer_size = _optimizer_size(optimizer)  # each train() may bring its own optimizer
         if not self._attached:
             place_at_train_begin(self, call)
+
+    def _kl_prompts(self, model, tokenizer, resumed_from: str | None, step: int) -> Any:
+        """kl_prompts as base responses per anchor (`kl_control`): drawn now from the base model, or on resume the
+        checkpoint's (with the controller's lams, kept in `_kl_lams`); the option as given without kl_budget.
+
+        Raises:
+            CFPError: resuming under kl_budget from a checkpoint without its state (unless restart_path_on_resume).
+        """
+        measurement, self._kl_lams = self.settings.kl_measurement, None
+        if measurement is None:
+            return self.options.kl_prompts
+        saved = saved_kl_state(resumed_from) if step > 0 else None
+        if saved is not None:
+            self._kl_lams = [float(lam) for lam in saved["lams"]]
+            return measurement.with_saved(saved).prompts
+        if step > 0 and not self.restart_path_on_resume:
+            raise CFPError(
+                f"CFPCallback: resuming at step {step} under kl_budget, but the checkpoint {resumed_from!r} has no "
+                f"{KL_STATE_FILE} (the base responses the KL is measured on, and lam_t). Resume from a checkpoint "
+                "saved while CFPCallback was attached, or pass restart_path_on_resume=True to measure from the "
+                "resumed weights on purpose."
+            )
+        return measurement.drawn(model, tokenizer).prompts
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -252,6 +294,8 @@ class CFPCallback(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         if self.protection is not None:
             save_theta0(self.protection, checkpoint_dir(args, state))
+        if self.cfp is not None and self.cfp.control is not None and state.is_world_process_zero:
+            self.cfp.control.save(checkpoint_dir(args, state), self.cfp.protection.lams)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Write `cfp_provenance.json` into `args.output_dir` (main process): the anchors, the strength and the

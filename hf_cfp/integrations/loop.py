@@ -3,13 +3,16 @@
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ..anchor import FisherAnchor
+from ..evaluation import KLEstimate
 from ..protection import Theta0Pieces
 from ..protection.theta0 import Theta0Reader
+from .kl_control import KLControl
 from .options import LOOP, ProtectionOptions
 from .resolve import AnchorLike, load_anchor
 from .settings import ProtectionSettings
@@ -50,6 +53,9 @@ class CFP:
         lam: float | Sequence[float] | LamSchedule | None = None,
         *,
         kl_budget: float | Sequence[float] | None = None,
+        kl_prompts: Any = None,
+        kl_every: int = 10,
+        predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
         monitor: Sequence[AnchorLike] = (),
         free_fraction: float = 0.99,
@@ -67,13 +73,26 @@ class CFP:
         self._bind(model, anchors, settings, options.optimizer, options.theta0)
 
     def _bind(self, model, anchors, settings: ProtectionSettings, optimizer, theta0) -> None:
+        measurement = settings.kl_measurement
+        if measurement is not None:  # kl_budget's base responses, drawn once from the model now (theta0)
+            settings = replace(settings, kl_measurement=measurement.drawn(model, None))
         self.anchors, self.settings, self.optimizer = list(anchors), settings, optimizer
         self.protection = settings.bind(model, self.anchors, optimizer, theta0)
         self.steps = 0  # optimizer steps corrected
+        self.control = self._control(settings)
+        self.measured: list[KLEstimate] = []  # the controller's last measurement
+
+    def _control(self, settings: ProtectionSettings) -> KLControl | None:
+        """kl_budget's controller (None without one), with the protection's lams at its start."""
+        budget, measurement = settings.strength.kl_budget, settings.kl_measurement
+        if budget is None or measurement is None:
+            return None
+        self.protection.lams = list(settings.strength.start)
+        return KLControl.of(measurement, self.protection.protecting, budget)
 
     def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
         """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)
-        with lam_t from `lam` (or solved for `kl_budget`) at this step.
+        with lam_t from `lam` (or solved for `predicted_kl_budget`) at this step.
 
         Args:
             step (`int`, *optional*): the optimizer step just taken (1-based); defaults to counting the calls.
@@ -89,6 +108,8 @@ class CFP:
         learning_rate = lr if lr is not None else first_lr(self.optimizer)
         lams = self.settings.strength.lams(self.steps, learning_rate, self.protection)
         self.protection.correct(lams, measure_residual=measure_residual)
+        if self.control is not None and self.control.due(self.steps):
+            self.protection.lams, self.measured = self.control.update(self.protection.model, lams)
         return lams
 
     def metrics(self) -> dict[str, float]:
@@ -98,7 +119,8 @@ class CFP:
         Returns:
             `dict[str, float]`: metric key -> value, the same on every process (`hf_cfp.names.LOGGED_METRICS`).
         """
-        return self.protection.drift_metrics()
+        measured = self.control.metrics(self.measured) if self.control is not None and self.measured else {}
+        return {**self.protection.drift_metrics(), **measured}
 
     def refresh(self, anchors: Sequence[FisherAnchor]) -> None:
         """Correct and measure with `anchors` (re-estimated F) from now on, keeping theta0, the LoRA factors at
@@ -116,7 +138,8 @@ class CFP:
 
         Returns:
             `dict[str, Any]`: `{"steps": int, "lams": list[float], "theta0": {name: tensor}, "lora0": {weight name:
-            [(s0, B0, A0) per active adapter]}}`.
+            [(s0, B0, A0) per active adapter]}}`, and with `kl_budget` `"kl_control"`: the base responses it
+            measures on.
         """
         pieces = self.protection.theta0_pieces()
         theta0 = {name: t.detach().cpu().clone() for name, t in pieces.theta0.items()}
@@ -124,7 +147,10 @@ class CFP:
             name: [(s0, b0.detach().cpu().clone(), a0.detach().cpu().clone()) for s0, b0, a0 in snapshot]
             for name, snapshot in (pieces.snapshots or {}).items()
         }
-        return {"steps": self.steps, "lams": list(self.protection.lams), "theta0": theta0, "lora0": lora0}
+        state = {"steps": self.steps, "lams": list(self.protection.lams), "theta0": theta0, "lora0": lora0}
+        if self.control is not None:  # the base responses of kl_budget, so that a resumed loop measures the same KL
+            state["kl_control"] = self.control.state(self.protection.lams)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the path of `state` (from `state_dict`): rebind with its theta0 (and LoRA factors) and step
@@ -138,7 +164,10 @@ class CFP:
                 for an adapted weight.
         """
         saved = Theta0Pieces(state["theta0"], state.get("lora0"), "the CFP state_dict")
-        self._bind(self.protection.model, self.anchors, self.settings, self.optimizer, saved)
+        settings, measurement = self.settings, self.settings.kl_measurement
+        if measurement is not None:  # measure on the run's original base responses
+            settings = replace(settings, kl_measurement=measurement.with_saved(state["kl_control"]))
+        self._bind(self.protection.model, self.anchors, settings, self.optimizer, saved)
         self.protection.lams = list(state["lams"])
         self.steps = int(state["steps"])
 

@@ -27,7 +27,7 @@ from .strength import LamSchedule
 # The surfaces: the Trainer callback, the loop API, and the `cfp_` keys of config-driven training
 CALLBACK, LOOP, CONFIG = "CFPCallback", "CFP", "CFPConfig"
 EVERYWHERE = frozenset({CALLBACK, LOOP, CONFIG})
-CONFIG_PREFIX = "cfp_"  # an option's key in CFPConfig: `cfp_lam`, `cfp_kl_budget`, ...
+CONFIG_PREFIX = "cfp_"  # an option's key in CFPConfig: `cfp_lam`, `cfp_predicted_kl_budget`, ...
 
 # The forms a `cfp_` key holds an option in (`hf_cfp.launch.config` reads each): the value itself; anchor
 # references (one or a list); numbers, one for every protecting anchor or one per anchor; a prompt source
@@ -68,16 +68,41 @@ class ProtectionOptions:
         shown_type="`float`, sequence of `float` or `Callable[[int], float | Sequence[float]]`",
         help="The strength lam >= 0 (one per protecting anchor, or one for all), or a schedule `step -> lam` called "
         "with the optimizer step just taken (1-based); each step theta <- theta0 + (theta - theta0) / "
-        "(1 + sum_k lam_k F_k). Defaults to `1.0` unless `kl_budget` is given. Its meaning depends on the Fisher's "
-        "scale: lam * F_i = 1 halves coordinate i's displacement each step (see the guide on choosing the strength, "
+        "(1 + sum_k lam_k F_k). Defaults to `1.0` unless `predicted_kl_budget` is given; with `kl_budget`, the "
+        "starting lam of the controller. Its meaning depends on the Fisher's scale: lam * F_i = 1 halves "
+        "coordinate i's displacement each step (see the guide on choosing the strength, "
         "docs/guides/strength.md). The paper uses 1 for PPO and 10 for DPO.",
     )
     kl_budget: float | Sequence[float] | None = option(
         None,
         form=NUMBERS,
         shown_type="`float` or sequence of `float`",
-        help="Instead of lam: a budget in nats (> 0; one per protecting anchor, or one for all). At every step lam_t "
-        "is solved so that the predicted KL 0.5 (theta - theta0)^T F (theta - theta0) stays within the budget, and "
+        help="Hold each protecting anchor's measured KL to the base (nats, > 0; one per protecting anchor, or one for "
+        "all) on `kl_prompts`: every `kl_every` optimizer steps the KL on their base responses is measured and "
+        "lam_k <- lam_k (1 + clip(KL_k / budget_k - 1, -0.2, 0.2)), PPO's adaptive KL controller, starting from "
+        "`lam` (> 0). Logged as `cfp/<anchor>/measured_kl`. Full-parameter and PEFT training (`hf_cfp.integrations."
+        "kl_control`).",
+    )
+    kl_prompts: Any = option(
+        None,
+        form=PROMPTS,
+        shown_type="prompts, `BaseResponses`, or `dict` of anchor name -> either",
+        help="Held-out prompts of each protecting anchor's capability, where `kl_budget` is measured (any form "
+        "`estimate_fisher` takes; CFPCallback draws 4 base responses per prompt at train begin), or base responses "
+        "drawn already with `hf_cfp.evaluation.draw_base_responses` (what `CFP` needs for text prompts).",
+    )
+    kl_every: int = option(
+        10,
+        help="Optimizer steps between two measurements of `kl_budget`; each costs one scoring pass over the base "
+        "responses of `kl_prompts`.",
+    )
+    predicted_kl_budget: float | Sequence[float] | None = option(
+        None,
+        form=NUMBERS,
+        shown_type="`float` or sequence of `float`",
+        help="Instead of lam: a budget (> 0; one per protecting anchor, or one for all) on the second-order "
+        "prediction of the KL, not the KL itself (see `kl_budget`). At every step lam_t is solved so that the "
+        "predicted KL 0.5 (theta - theta0)^T F (theta - theta0) stays within the budget, and "
         "no harder: the correction is the projection of the optimizer's proposal onto the budget, lam_t = 0 while "
         "inside it (`hf_cfp.ops.budget`). Full-parameter and PEFT `modules_to_save` training only, not "
         "LoRA-adapted weights.",
@@ -108,7 +133,7 @@ class ProtectionOptions:
         '(of its coordinates, or of its mass with `sparse_by="mass"`); every other coordinate keeps the '
         "optimizer's proposal. The full theta0 and F then live in CPU memory for the metrics, which stay exact. "
         "About (4 + 2 + 4) x `sparse` bytes per parameter on the device; at train begin one log line reports the "
-        "mass kept and the largest F dropped. Not with `kl_budget` or DeepSpeed.",
+        "mass kept and the largest F dropped. Not with `predicted_kl_budget` or DeepSpeed.",
     )
     sparse_by: str = option("coordinates", help='What `sparse` is a share of: `"coordinates"` or `"mass"`.')
     lora_rule: str = option(

@@ -11,6 +11,7 @@ from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError
 from ..ops.lora_correction import LORA_RULES
 from ..protection import CFPState, MemoryPlan
+from .kl_control import KLMeasurement
 from .options import ProtectionOptions
 from .recheck import AnchorRecheck
 from .strength import Strength
@@ -19,8 +20,8 @@ from .strength import Strength
 @dataclass(frozen=True)
 class ProtectionSettings:
     """The monitor anchors, the strength (lam_t per protecting anchor), the memory plan, the free-drift share, the
-    LoRA rule and the recheck (when to re-estimate the anchors: `CFPCallback`'s; never for `CFP`) of one protected
-    run: its options, validated."""
+    LoRA rule, the recheck (when to re-estimate the anchors: `CFPCallback`'s; never for `CFP`) and where a
+    `kl_budget` is measured of one protected run: its options, validated."""
 
     monitors: tuple[FisherAnchor, ...]
     strength: Strength
@@ -28,6 +29,7 @@ class ProtectionSettings:
     free_fraction: float
     lora_rule: str
     recheck: AnchorRecheck
+    kl_measurement: KLMeasurement | None
 
     @classmethod
     def of(
@@ -43,13 +45,15 @@ class ProtectionSettings:
 
         Raises:
             CFPArgumentError: no protecting anchor, names not unique, compute_if_missing with several anchors or
-                push_if_computed without it, sparse with kl_budget, free_fraction outside (0, 1), an unknown
-                lora_rule, or a bad lam / kl_budget / memory plan / recheck.
+                push_if_computed without it, sparse with predicted_kl_budget, free_fraction outside (0, 1), an
+                unknown lora_rule, or a bad lam / kl_budget / kl_prompts / kl_every / predicted_kl_budget / memory
+                plan / recheck.
         """
         _check_anchors(options, anchor_names, [m.name for m in monitors], prefix)
         strength = Strength.from_arguments(
             lam=options.lam,
             kl_budget=options.kl_budget,
+            predicted_kl_budget=options.predicted_kl_budget,
             scale_with_lr=options.scale_lam_with_lr,
             num_anchors=len(anchor_names),
             prefix=prefix,
@@ -57,9 +61,9 @@ class ProtectionSettings:
         memory = MemoryPlan(
             fisher_dtype=options.fisher_dtype, sparse=options.sparse, sparse_by=options.sparse_by, prefix=prefix
         )
-        if memory.sparse is not None and options.kl_budget is not None:
+        if memory.sparse is not None and options.predicted_kl_budget is not None:
             raise CFPArgumentError(
-                f"{prefix}kl_budget sums over every protected coordinate: use it without {prefix}sparse."
+                f"{prefix}predicted_kl_budget sums over every protected coordinate: use it without {prefix}sparse."
             )
         if not 0 < options.free_fraction < 1:
             raise CFPArgumentError(
@@ -76,6 +80,13 @@ class ProtectionSettings:
             anchor_names=list(anchor_names),
             prefix=prefix,
         )
+        kl_measurement = KLMeasurement.of(
+            budget=options.kl_budget,
+            prompts=options.kl_prompts,
+            every=options.kl_every,
+            anchor_names=anchor_names,
+            prefix=prefix,
+        )
         return cls(
             monitors=tuple(monitors),
             strength=strength,
@@ -83,6 +94,7 @@ class ProtectionSettings:
             free_fraction=options.free_fraction,
             lora_rule=options.lora_rule,
             recheck=recheck,
+            kl_measurement=kl_measurement,
         )
 
     def bind(
@@ -96,15 +108,16 @@ class ProtectionSettings:
         `Theta0Reader`) or the weights now.
 
         Raises:
-            CFPArgumentError: a kl_budget on a model with LoRA-adapted weights.
+            CFPArgumentError: a predicted_kl_budget on a model with LoRA-adapted weights.
         """
         protection = CFPState(
             model, anchors, self.monitors, self.free_fraction, optimizer, theta0, self.lora_rule, self.memory
         )
-        if self.strength.kl_budget is not None and protection.adapters.weights:
+        if self.strength.predicted_kl_budget is not None and protection.adapters.weights:
             raise CFPArgumentError(
-                "kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only in "
-                "part, so the budget could not be held. Use lam on a PeftModel (or full-parameter training)."
+                "predicted_kl_budget does not cover LoRA-adapted weights: the adapter represents the CFP target only "
+                "in part, so the budget could not be held. Use lam or kl_budget on a PeftModel (or full-parameter "
+                "training)."
             )
         return protection
 

@@ -1,5 +1,5 @@
 """How hard CFP pulls at each step: lam_t per protecting anchor from a constant, a schedule, the learning rate,
-or a KL budget; and the one line at train begin that says what that strength does."""
+a measured KL budget or a predicted one; and the one line at train begin that says what that strength does."""
 
 import math
 from collections.abc import Callable, Sequence
@@ -14,49 +14,85 @@ LamSchedule = Callable[[int], float | Sequence[float]]
 
 @dataclass(frozen=True)
 class Strength:
-    """lam_t for the protecting anchors, one of three ways:
+    """lam_t for the protecting anchors, one of four ways:
 
     - `lam`: a number or one per anchor, or a schedule `step -> lam(s)` (the optimizer step just taken, 1-based);
       with `scale_with_lr`, each is multiplied by the step's learning rate eta_t: the proximal form
       theta0 + Delta / (1 + eta_t lam F), so the pull follows warmup and decay and the fixed point of a persistent
       step eta_t u is u / (lam F), whatever the learning rate;
-    - `kl_budget`: nats, a number or one per anchor; lam_t solved at each step so that the predicted KL
+    - `kl_budget`: nats, a number or one per anchor; lam_t starts at `lam` and is moved by the controller on the
+      measured KL (`kl_control`), which keeps it in `CFPState.lams` between measurements;
+    - `predicted_kl_budget`: nats, a number or one per anchor; lam_t solved at each step so that the predicted KL
       0.5 Delta^T F Delta stays within it and no harder (`CFPState.budget_lams`).
     """
 
-    lam: tuple[float, ...] | LamSchedule  # () with a budget
+    lam: tuple[float, ...] | LamSchedule  # () with a predicted budget; the controller's start with kl_budget
     kl_budget: tuple[float, ...] | None
+    predicted_kl_budget: tuple[float, ...] | None
     scale_with_lr: bool
     num_anchors: int
 
+    @property
+    def start(self) -> tuple[float, ...]:
+        """The constant lams, or with `kl_budget` the controller's starting ones."""
+        if callable(self.lam):
+            raise CFPArgumentError("lam is a schedule here, not a constant.")
+        return self.lam
+
     @classmethod
     def from_arguments(
-        cls, *, lam: Any, kl_budget: Any, scale_with_lr: bool, num_anchors: int, prefix: str = ""
+        cls,
+        *,
+        lam: Any,
+        kl_budget: Any,
+        predicted_kl_budget: Any,
+        scale_with_lr: bool,
+        num_anchors: int,
+        prefix: str = "",
     ) -> "Strength":
-        """The strength of `lam` or `kl_budget` for `num_anchors` protecting anchors; messages name the options
-        `prefix` + name (`settings.ProtectionSettings.of`)."""
-        if lam is not None and kl_budget is not None:
-            raise CFPArgumentError(
-                f"Pass {prefix}lam or {prefix}kl_budget, not both: kl_budget chooses lam_t at every step to keep the "
-                "predicted KL within the budget."
-            )
+        """The strength of `lam`, `kl_budget` or `predicted_kl_budget` for `num_anchors` protecting anchors; messages
+        name the options `prefix` + name (`settings.ProtectionSettings.of`)."""
         if kl_budget is not None:
+            return cls._controlled(lam, kl_budget, predicted_kl_budget, scale_with_lr, num_anchors, prefix)
+        if lam is not None and predicted_kl_budget is not None:
+            raise CFPArgumentError(
+                f"Pass {prefix}lam or {prefix}predicted_kl_budget, not both: predicted_kl_budget chooses lam_t at "
+                "every step to keep the predicted KL within the budget."
+            )
+        if predicted_kl_budget is not None:
             if scale_with_lr:
                 raise CFPArgumentError(
-                    f"{prefix}scale_lam_with_lr applies to {prefix}lam; {prefix}kl_budget already sets lam_t every "
-                    "step."
+                    f"{prefix}scale_lam_with_lr applies to {prefix}lam; {prefix}predicted_kl_budget already sets "
+                    "lam_t every step."
                 )
-            budget = _per_anchor(kl_budget, num_anchors, f"{prefix}kl_budget", positive=True)
-            return cls((), budget, False, num_anchors)
+            budget = _per_anchor(predicted_kl_budget, num_anchors, f"{prefix}predicted_kl_budget", positive=True)
+            return cls((), None, budget, False, num_anchors)
         if lam is None:
             lam = 1.0
         fixed = lam if callable(lam) else _per_anchor(lam, num_anchors, f"{prefix}lam", positive=False)
-        return cls(fixed, None, scale_with_lr, num_anchors)
+        return cls(fixed, None, None, scale_with_lr, num_anchors)
+
+    @classmethod
+    def _controlled(
+        cls, lam: Any, kl_budget: Any, predicted: Any, scale_with_lr: bool, num_anchors: int, prefix: str
+    ) -> "Strength":
+        """`kl_budget` with the controller's starting `lam` (default 1.0), each > 0: lam_t is then multiplied at
+        every measurement, so it needs a start it can grow from."""
+        if predicted is not None or scale_with_lr or callable(lam):
+            raise CFPArgumentError(
+                f"{prefix}kl_budget sets lam_t from the measured KL, starting at {prefix}lam: pass it without "
+                f"{prefix}predicted_kl_budget, {prefix}scale_lam_with_lr or a lam schedule."
+            )
+        start = _per_anchor(1.0 if lam is None else lam, num_anchors, f"{prefix}lam", positive=True)
+        budget = _per_anchor(kl_budget, num_anchors, f"{prefix}kl_budget", positive=True)
+        return cls(start, budget, None, False, num_anchors)
 
     def lams(self, step: int, learning_rate: float | None, protection: CFPState) -> list[float]:
         """lam_t of each protecting anchor for the optimizer step `step` just taken (at `learning_rate`)."""
         if self.kl_budget is not None:
-            return protection.budget_lams(self.kl_budget)
+            return list(protection.lams)  # the controller's, since the last measurement
+        if self.predicted_kl_budget is not None:
+            return protection.budget_lams(self.predicted_kl_budget)
         # a schedule's value is checked at each step; a constant was checked once, in from_arguments
         lams = list(_per_anchor(self.lam(step), self.num_anchors, "lam", False) if callable(self.lam) else self.lam)
         if self.scale_with_lr:
@@ -75,8 +111,14 @@ class Strength:
         anchors = ", ".join(protection.protecting)
         if self.kl_budget is not None:
             return (
-                f"CFP [{anchors}]: kl_budget {_numbers(self.kl_budget)} nats; lam_t is solved at every step so that "
-                "the predicted KL 0.5 Delta^T F Delta stays within it (lam_t = 0 while inside)."
+                f"CFP [{anchors}]: kl_budget {_numbers(self.kl_budget)} nats of measured KL on kl_prompts; lam_t "
+                f"starts at {_numbers(self.start)} and moves by at most 20% per measurement (PPO's adaptive KL "
+                "controller)."
+            )
+        if self.predicted_kl_budget is not None:
+            return (
+                f"CFP [{anchors}]: predicted_kl_budget {_numbers(self.predicted_kl_budget)} nats; lam_t is solved "
+                "at every step so that the predicted KL 0.5 Delta^T F Delta stays within it (lam_t = 0 while inside)."
             )
         if callable(self.lam):
             return f"CFP [{anchors}]: lam follows a schedule of the step; its pull changes with it."
@@ -99,9 +141,11 @@ class Strength:
 
     def as_trace(self) -> dict[str, Any]:
         """The strength as recorded beside a trained model: {"lam": [...] or "schedule", "scale_lam_with_lr"}
-        or {"kl_budget": [...]} (`trace.write_provenance`)."""
+        or {"predicted_kl_budget": [...]} (`trace.write_provenance`)."""
         if self.kl_budget is not None:
-            return {"kl_budget": list(self.kl_budget)}
+            return {"kl_budget": list(self.kl_budget), "lam": list(self.start)}
+        if self.predicted_kl_budget is not None:
+            return {"predicted_kl_budget": list(self.predicted_kl_budget)}
         return {"lam": "schedule" if callable(self.lam) else list(self.lam), "scale_lam_with_lr": self.scale_with_lr}
 
     def describe_sparse(self, protection: CFPState) -> str:

@@ -50,8 +50,9 @@ def write_provenance(
     step: int,
 ) -> Path:
     """Write `<directory>/cfp_provenance.json` = {"anchors": `anchor_references`, the `strength` ("lam" and
-    "scale_lam_with_lr", or "kl_budget"), "global_step": `step`, "final_metrics": {key: float}} (the drift metrics
-    after the last step) and return its path; the directory is created if missing."""
+    "scale_lam_with_lr", "kl_budget" and its starting "lam", or "predicted_kl_budget"), "global_step": `step`,
+    "final_metrics": {key: float}} (the drift metrics after the last step) and return its path; the directory is
+    created if missing."""
     path = Path(directory) / PROVENANCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {

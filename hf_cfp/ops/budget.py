@@ -105,8 +105,8 @@ def solve_budget(
         if settled:
             return lams
     raise CFPError(
-        f"kl_budget: no lams within {max_sweeps} sweeps keep the predicted KL {terms[0].tolist()} within the "
-        f"budgets {list(budgets)} (last lams {lams}). Check the anchors for non-finite or negative F, or use lam."
+        f"predicted_kl_budget: no lams within {max_sweeps} sweeps keep the predicted KL {terms[0].tolist()} within "
+        f"the budgets {list(budgets)} (last lams {lams}). Check the anchors for non-finite or negative F, or use lam."
     )
 
 
@@ -140,9 +140,9 @@ def _solve_one(
             lam = _next_lam(lam, kl, slope, aim, low, high)
         terms = evaluate([*lams[:k], lam, *lams[k + 1 :]])
     raise CFPError(
-        f"kl_budget: could not bring anchor {k}'s predicted KL ({float(terms[0, k]):.4g} nats) to its budget "
-        f"({budget:.4g} nats) by choosing its lam (last tried {lam:.4g}). Its F may be non-finite or zero where "
-        "the model moves; check the anchor, or use lam."
+        f"predicted_kl_budget: could not bring anchor {k}'s predicted KL ({float(terms[0, k]):.4g} nats) to its "
+        f"budget ({budget:.4g} nats) by choosing its lam (last tried {lam:.4g}). Its F may be non-finite or zero "
+        "where the model moves; check the anchor, or use lam."
     )
 
 

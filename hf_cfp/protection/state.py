@@ -202,7 +202,9 @@ class CFPState:
             CFPArgumentError: a sparse memory plan (dense plans only).
         """
         if self.sparse is not None:
-            raise CFPArgumentError("kl_budget needs a dense memory plan (sparse=None): it sums over every coordinate.")
+            raise CFPArgumentError(
+                "predicted_kl_budget needs a dense memory plan (sparse=None): it sums over every coordinate."
+            )
 
         def evaluate(lams: Sequence[float]) -> torch.Tensor:
             return complete(self.geometries, [geometry.budget_terms(lams) for geometry in self.geometries])

@@ -1,4 +1,4 @@
-"""The KL budget on a real model: for each budget B (nats), an SFT run under `CFPCallback(math, kl_budget=B)`,
+"""The KL budget on a real model: for each budget B (nats), an SFT run under `CFPCallback(math, predicted_kl_budget=B)`,
 and what came of it: the predicted KL 0.5 Delta^T F Delta at the last step (which the budget bounds), the
 measured KL(mu_0 || mu_theta) on the anchor's own calibration prompts and on held-out math prompts, and the
 task's gain. Plus, over the evidence experiment's arms, how the predicted KL compares with the measured one.
@@ -144,7 +144,7 @@ def budget_markdown(rows: list[dict]) -> str:
     for row in rows:
         arm, m = row["arm"], row["metrics"]
         budget = f"{arm['strength']:g}" if arm["method"] == "budget" else "none"
-        name = "unregularized" if arm["method"] == "unregularized" else "CFP kl_budget [math]"
+        name = "unregularized" if arm["method"] == "unregularized" else "CFP predicted_kl_budget [math]"
         lines.append(
             f"| {name} | {budget} | {m['math/predicted_kl']:.3g} | {m['math/calibration_kl']:.3g} ± "
             f"{m['math/calibration_kl_stderr']:.2g} | {m['math/kl']:.3g} ± {m['math/kl_stderr']:.2g} | "

@@ -13,7 +13,7 @@ the pirate preference pairs), a method and its strength, and a seed. Methods:
 - `isotropic`: CFP with F_math replaced by its mean (`isotropic_anchor`), lam = c / p99(F_math): the same
   lam and total mass without the shape;
 - `budget`: CFP with lam_t chosen every step to keep the predicted KL 0.5 Delta^T F Delta of the protecting
-  anchor within strength = the budget in nats (`CFPCallback(kl_budget=...)`; the budget table,
+  anchor within strength = the budget in nats (`CFPCallback(predicted_kl_budget=...)`; the budget table,
   `scripts/budget_table.py`, not the evidence plan).
 
 The table rows use `Plan.table_strength` (c = 1: lam = 1/p99, the README's rule) and the first KL

@@ -1,5 +1,5 @@
 """K-FAC anchors through the Trainer, the loop API and the Hub: a run resumed from a checkpoint is bit-identical to
-the uninterrupted one, kl_budget holds the predicted KL of the K-FAC quadratic, the loop API's state_dict resumes
+the uninterrupted one, predicted_kl_budget holds the predicted KL of the K-FAC quadratic, the loop API's state_dict resumes
 bit for bit, an anchor pushed to a (local) Hub comes back with its factors and protects, and TRL's DPO runs with
 it."""
 
@@ -77,7 +77,7 @@ def test_a_resumed_run_is_bit_identical(anchor_dir, tmp_path):
 
 
 def test_kl_budget_holds_the_kfac_prediction_at_every_step(anchor_dir, tmp_path):
-    _, logs = run(tmp_path / "budget", anchor_dir, kl_budget=1e-3)
+    _, logs = run(tmp_path / "budget", anchor_dir, predicted_kl_budget=1e-3)
     steps = [row for row in logs if PREDICTED_KL.key("math") in row]
     assert len(steps) == 6
     assert all(row[PREDICTED_KL.key("math")] <= 1e-3 * (1 + 1e-6) for row in steps)

@@ -167,7 +167,7 @@ BAD_VALUES = [
     ("sft", ["--cfp_lam", "-1"], "cfp_lam must be finite and >= 0"),
     ("dpo", ["--cfp_free_fraction", "1.5"], "cfp_free_fraction must be in (0, 1)"),
     ("sft", ["--cfp_anchor", "./no/such/anchor"], "cfp_anchor: no anchor directory at './no/such/anchor'"),
-    ("sft", ["--cfp_kl_budget", "0.1"], "Pass cfp_lam or cfp_kl_budget, not both"),
+    ("sft", ["--cfp_predicted_kl_budget", "0.1"], "Pass cfp_lam or cfp_predicted_kl_budget, not both"),
     ("dpo", ["--cfp_sparse", "1.0"], "cfp_sparse must be None (dense) or a share in (0, 1)"),
     ("sft", ["--dataset_name", "no/such/data.jsonl"], "dataset_name: no file at 'no/such/data.jsonl'"),
     ("grpo", ["--reward_funcs", "no_such_reward"], "reward_funcs: cannot load 'no_such_reward'"),

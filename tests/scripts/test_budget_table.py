@@ -50,4 +50,4 @@ def test_budget_table_on_the_tiny_model(tmp_path):
     assert scaling[0]["predicted"] == pytest.approx(free["math/predicted_kl"], rel=1e-5)
     assert scaling[-1]["predicted"] == pytest.approx(1e-4 * scaling[0]["predicted"], rel=1e-9)
     text = (out / "budget.md").read_text()
-    assert text.count("| CFP kl_budget [math] |") == 3 and "Spearman" in text and "Staleness" in text
+    assert text.count("| CFP predicted_kl_budget [math] |") == 3 and "Spearman" in text and "Staleness" in text

@@ -1,125 +1,201 @@
-"""CFPCallback(kl_budget=...) and scale_lam_with_lr in a real Trainer run on the tiny model: the budget's rules
-(never exceeded by more than 5% at a logged step, not over-protecting, bit-identical to no correction while the
-path stays inside), refused arguments, lr-scaled lam against a hand-written loop, and the train-begin line."""
+"""kl_budget: lam_t held by PPO's adaptive KL controller on the measured KL (`hf_cfp.integrations.kl_control`).
 
-import logging
-import math
+The rule against its closed form; every measurement against `kl_to_base` drawn afresh from a copy of the base (an
+independent estimate of the same number); the measured KL held within 25% of the budget on the tiny model while
+the unprotected run leaves it far behind; the callback's Trainer run against the loop API; exact resume from a
+checkpoint and from `state_dict`; refused arguments."""
+
+import copy
+import json
+import shutil
 
 import pytest
 import torch
-from support.extras import needs
-from support.tiny import anchor_for, tiny_llama
-from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, train
-from transformers import Trainer, TrainerCallback
+from support.anchors import random_anchor
+from support.tiny import tiny_llama
+from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, lm_dataset
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_cfp import CFPCallback
+from hf_cfp import CFP, CFPCallback, CFPError, estimate_fisher, kl_to_base
 from hf_cfp.errors import CFPArgumentError
+from hf_cfp.evaluation import BaseResponses, draw_base_responses
+from hf_cfp.integrations.kl_control import STATE_FILE, controlled_lams
 
-STEPS = 6
+PROMPTS = [[1, 5, 7], [2, 9], [3, 4, 11, 12], [6, 8]]  # token ids: no tokenizer needed
+DRAW = dict(num_samples_per_prompt=4, max_new_tokens=64, temperature=1.0, seed=0)  # kl_prompts' defaults
 
 
-def trained(tmp_path, **callback_kwargs):
-    """Train the tiny model STEPS steps with CFPCallback(anchor of model seed 0, **callback_kwargs); returns the
-    final parameters and every logged cfp/math value per step."""
+def test_the_rule_is_ppos_clipped_proportional_update():
+    lams = controlled_lams([2.0, 2.0, 2.0, 2.0, 3.0], [0.15, 0.105, 0.0, 0.09, 0.1], [0.1] * 5)
+    assert lams == pytest.approx([2.4, 2.1, 1.6, 1.8, 3.0])
+
+
+def test_each_measurement_is_the_kl_to_base_and_moves_lam_by_the_rule():
+    """kl_every=3 over 12 steps: lam stays between measurements; at each, the measured KL equals kl_to_base drawn
+    again from a copy of the base with the same settings, and lam_new = lam_old (1 + clip(KL / B - 1, +-0.2))."""
+    base, rows = tiny_llama(), full_batch_rows()
+    model, budget = copy.deepcopy(base), 0.05
+    protector = CFP(model, random_anchor(base), lam=0.5, kl_budget=budget, kl_prompts=draw(base), kl_every=3)
+    seen = []
+
+    def after_step():
+        before = list(protector.protection.lams)
+        protector.step()
+        seen.append((before, list(protector.protection.lams), protector.steps))
+        if protector.steps % 3 == 0:
+            reference = kl_to_base(base, model, None, PROMPTS, **DRAW)
+            assert protector.measured[0].kl == pytest.approx(reference, rel=1e-9, abs=1e-12)
+            assert protector.metrics()["cfp/math/measured_kl"] == protector.measured[0].kl
+            expected = controlled_lams(before, [reference], [budget])
+            assert protector.protection.lams == pytest.approx(expected, rel=1e-12)
+
+    adamw_loop(model, rows, 12, after_step=after_step)
+    assert seen[0][0] == [0.5]  # the start is lam
+    moved = [after != before for before, after, _ in seen]
+    assert moved == [step % 3 == 0 for _, _, step in seen]
+
+
+def test_the_measured_kl_is_held_within_a_quarter_of_the_budget():
+    """120 AdamW steps at lr 1e-2 on 8 rows, measuring every step, with the tiny model's own Fisher on the prompts
+    as the anchor: after the first 60 steps the measured KL stays within 25% of a 0.5-nat budget, while the same
+    run without protection ends more than 20x above it."""
+    base, rows, budget = tiny_llama(), full_batch_rows(n=8), 0.5
+    anchor = estimate_fisher(base, None, PROMPTS, num_sequences=32, max_new_tokens=16, name="math")
+    responses = draw(base, num_samples_per_prompt=8, max_new_tokens=16)
+    model = copy.deepcopy(base)
+    protector = CFP(model, anchor, lam=1.0, kl_budget=budget, kl_prompts=responses, kl_every=1)
+    held = []
+    adamw_loop(model, rows, 120, after_step=lambda: (protector.step(), held.append(protector.measured[0].kl)))
+    late = held[60:]
+    assert all(0.75 * budget <= kl <= 1.25 * budget for kl in late), (min(late), max(late))
+    free = copy.deepcopy(base)
+    adamw_loop(free, rows, 120)
+    assert responses.kl(free).kl > 20 * budget
+
+
+def test_the_callback_draws_at_train_begin_and_follows_the_loop(tmp_path):
+    """CFPCallback(kl_budget, token-id kl_prompts) in a full-batch Trainer run ends where the loop API with the same
+    options ends, and logs cfp/math/measured_kl once measured."""
+    base, rows = tiny_llama(), full_batch_rows()
+    anchor = random_anchor(base)
+    options = dict(lam=0.5, kl_budget=0.05, kl_prompts=PROMPTS, kl_every=2)
+    trained = copy.deepcopy(base)
+    trainer = Trainer(
+        model=trained,
+        args=full_batch_trainer_args(tmp_path, rows, 6),
+        train_dataset=rows,
+        callbacks=[CFPCallback(anchor, **options)],
+    )
+    trainer.train()
+    looped = copy.deepcopy(base)
+    protector = CFP(looped, anchor, **{**options, "kl_prompts": draw(base)})
+    adamw_loop(looped, rows, 6, after_step=protector.step)
+    for (name, p), q in zip(looped.named_parameters(), trained.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert "cfp/math/measured_kl" not in logged[0] and "cfp/math/measured_kl" in logged[1]
+    assert logged[-1]["cfp/math/measured_kl"] == pytest.approx(protector.measured[0].kl, rel=1e-4)
+    assert logged[-1]["cfp/math/lam"] == pytest.approx(protector.protection.lams[0], rel=1e-4)
+
+
+def test_state_dict_resumes_the_controller_bit_for_bit():
+    """Measuring on the saved base responses (not ones drawn from the resumed weights) with the saved lams."""
+    base, rows = tiny_llama(), full_batch_rows()
+    anchor, options = random_anchor(base), dict(lam=0.5, kl_budget=0.05, kl_every=2)
+    kept = copy.deepcopy(base)
+    protector = CFP(kept, anchor, kl_prompts=draw(base), **options)
+    adamw_loop(kept, rows, 4, after_step=protector.step)
+    saved = json.loads(json.dumps(protector.state_dict()["kl_control"]))  # JSON-ready
+    state = {**protector.state_dict(), "kl_control": saved}
+    halfway = copy.deepcopy(kept)
+    adamw_loop(kept, rows, 4, after_step=protector.step)
+
+    again = CFP(halfway, anchor, kl_prompts=draw(halfway), **options)  # drawn from the wrong weights: replaced
+    again.load_state_dict(state)
+    adamw_loop(halfway, rows, 4, after_step=again.step)
+    assert all(torch.equal(a, b) for a, b in zip(halfway.parameters(), kept.parameters(), strict=True))
+    assert again.protection.lams == protector.protection.lams
+
+
+class Crash(TrainerCallback):
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            raise KeyboardInterrupt("simulated crash")
+
+
+def run(output_dir, extra=(), resume=None, **callback_kwargs):
+    """6 steps of the tiny Llama under kl_budget (measured every 2 steps), checkpoints every 2."""
     model = tiny_llama()
-    callback = CFPCallback(anchor_for(tiny_llama()), **callback_kwargs)
-    history = []
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=6,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=3e-2,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    cfp = CFPCallback(random_anchor(model), lam=0.5, kl_budget=0.05, kl_prompts=PROMPTS, kl_every=2, **callback_kwargs)
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
+    trainer.train(resume_from_checkpoint=resume)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, cfp
 
-    class Record(TrainerCallback):  # listed after CFP: sees its metrics
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                history.append(dict(logs))
 
-    params = train(model, [callback, Record()], tmp_path, steps=STEPS)
-    return params, history
+def test_resuming_a_checkpoint_keeps_the_base_responses_and_lams(tmp_path):
+    straight, kept = run(tmp_path / "straight")
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "crashed", extra=[Crash()])
+    saved = json.loads((tmp_path / "crashed" / "checkpoint-4" / STATE_FILE).read_text())
+    assert list(saved["responses"]) == ["math"] and len(saved["lams"]) == 1
+    bare = tmp_path / "bare" / "checkpoint-4"
+    shutil.copytree(tmp_path / "crashed" / "checkpoint-4", bare)
+    resumed, cfp = run(tmp_path / "crashed", resume=True)
+    assert all(torch.equal(resumed[n], straight[n]) for n in straight)
+    assert cfp.cfp.protection.lams == kept.cfp.protection.lams
+
+    (bare / STATE_FILE).unlink()
+    with pytest.raises(CFPError, match="kl_budget.*restart_path_on_resume=True"):
+        run(tmp_path / "bare-out", resume=str(bare))
 
 
-def test_a_budget_never_reached_is_bit_identical_to_no_correction(tmp_path):
-    plain = train(tiny_llama(), [], tmp_path / "plain", steps=STEPS)
-    protected, history = trained(tmp_path / "budget", kl_budget=1e9)
-    assert all(torch.equal(plain[n], protected[n]) for n in plain)
-    assert [h["cfp/math/lam"] for h in history] == [0.0] * STEPS
-
-
-def test_a_reached_budget_holds_at_every_logged_step_without_over_protecting(tmp_path):
-    _, free = trained(tmp_path / "free", lam=0.0)
-    unprotected = [h["cfp/math/predicted_kl"] for h in free]
-    budget = (unprotected[1] + unprotected[2]) / 2  # the unprotected path leaves it at step 3
-    assert unprotected[1] < budget < unprotected[2]
-    _, history = trained(tmp_path / "budget", kl_budget=budget)
-    predicted = [h["cfp/math/predicted_kl"] for h in history]
-    assert max(predicted) <= 1.05 * budget, predicted
-    assert predicted[-1] >= 0.8 * budget, predicted
-    lams = [h["cfp/math/lam"] for h in history]
-    # lam_t = 0 while the unprotected path is still inside the budget, > 0 once it would leave it
-    assert lams[:2] == [0.0, 0.0] and predicted[:2] == unprotected[:2]
-    assert all(lam > 0 for lam in lams[2:]), lams
+def test_base_responses_survive_json_exactly():
+    responses = draw(tiny_llama())
+    again = BaseResponses.from_dict(json.loads(json.dumps(responses.to_dict())))
+    assert torch.equal(again.base_log_probs, responses.base_log_probs)
+    assert (again.prompts, again.responses, again.sampler) == (
+        responses.prompts,
+        responses.responses,
+        responses.sampler,
+    )
+    assert (again.num_samples_per_prompt, again.pad_id, again.batch_size) == (4, responses.pad_id, 8)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (dict(lam=1.0, kl_budget=0.1), "not both"),
-        (dict(kl_budget=0.0), "kl_budget must be finite and > 0"),
-        (dict(kl_budget=float("nan")), "kl_budget must be finite"),
-        (dict(kl_budget=[0.1, 0.2]), "sequence of 1 numbers"),
-        (dict(kl_budget=0.1, scale_lam_with_lr=True), "scale_lam_with_lr"),
-        (dict(lam=[1.0, 2.0]), "sequence of 1 numbers"),
+        (dict(kl_budget=0.1), "kl_budget needs kl_prompts"),
+        (dict(kl_prompts=PROMPTS), "kl_prompts is where kl_budget is measured"),
+        (dict(kl_budget=0.1, kl_prompts=PROMPTS, kl_every=0), "kl_every must be an integer >= 1"),
+        (dict(kl_budget=0.0, kl_prompts=PROMPTS), "kl_budget must be finite and > 0"),
+        (dict(kl_budget=0.1, kl_prompts=PROMPTS, lam=0.0), "lam must be finite and > 0"),
+        (dict(kl_budget=0.1, kl_prompts=PROMPTS, predicted_kl_budget=0.1), "without predicted_kl_budget"),
+        (dict(kl_budget=0.1, kl_prompts=PROMPTS, lam=lambda step: 1.0), "a lam schedule"),
+        (dict(kl_budget=0.1, kl_prompts={"code": PROMPTS}), r"names \['code'\]"),
     ],
 )
-def test_bad_budget_arguments_are_refused(kwargs, match):
+def test_bad_arguments_are_refused(kwargs, match):
     with pytest.raises(CFPArgumentError, match=match):
-        CFPCallback(anchor_for(tiny_llama()), **kwargs)
+        CFPCallback(random_anchor(tiny_llama()), **kwargs)
 
 
-def test_a_budget_on_lora_adapted_weights_is_refused_at_train_begin(tmp_path):
-    needs("peft")
-    from peft import LoraConfig, get_peft_model
-
-    peft_model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    callback = CFPCallback(anchor_for(tiny_llama()), kl_budget=0.1)
-    with pytest.raises(CFPArgumentError, match="LoRA-adapted"):
-        train(peft_model, [callback], tmp_path, steps=1)
+def test_text_prompts_in_the_loop_api_ask_for_drawn_responses():
+    model = tiny_llama()
+    with pytest.raises(CFPArgumentError, match="draw_base_responses"):
+        CFP(model, random_anchor(model), kl_budget=0.1, kl_prompts=["What is 2 + 2?"])
 
 
-def test_lr_scaled_lam_is_the_proximal_step_at_each_steps_learning_rate(tmp_path):
-    """Linear decay from lr over T steps: step t (0-based) runs at eta_t = lr (T - t) / T, and CFP pulls with
-    lam eta_t. The Trainer's path equals AdamW by hand with that rule, and the logged lam is lam eta_t."""
-    lam, lr, rows = 3e3, 1e-2, full_batch_rows()
-    model, reference = tiny_llama(), tiny_llama()
-    anchor = anchor_for(tiny_llama())
-    callback = CFPCallback(anchor, lam=lam, scale_lam_with_lr=True)
-    args = full_batch_trainer_args(tmp_path, rows, STEPS, lr=lr, lr_scheduler_type="linear")
-    trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
-    trainer.train()
-
-    theta0 = {n: p.detach().double().clone() for n, p in reference.named_parameters()}
-    etas = iter([lr * (STEPS - t) / STEPS for t in range(STEPS)])
-    optimizer_lr = []
-
-    def cfp_at_eta():
-        eta = next(etas)
-        optimizer_lr.append(eta)
-        with torch.no_grad():
-            for n, p in reference.named_parameters():
-                p.copy_(theta0[n] + (p.double() - theta0[n]) / (1 + eta * lam * anchor.fisher[n].double()))
-
-    adamw_loop(reference, rows, STEPS, lr=lr, after_step=cfp_at_eta, lr_at=lambda t: lr * (STEPS - t) / STEPS)
-    for (n, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q.float(), rtol=1e-5, atol=1e-6, msg=n)
-    logged_lams = [h["cfp/math/lam"] for h in trainer.state.log_history if "cfp/math/lam" in h]
-    assert logged_lams == pytest.approx([lam * eta for eta in optimizer_lr], rel=1e-6)
-
-
-def test_train_begin_line_says_what_lam_does(tmp_path, caplog):
-    anchor = anchor_for(tiny_llama())
-    lam = 2.5  # F ~ U(0, 1): lam F > 1 where F > 0.4, about 60% of the coordinates
-    with caplog.at_level(logging.INFO, logger="hf_cfp"):
-        train(tiny_llama(), [CFPCallback(anchor, lam=lam)], tmp_path, steps=1)
-    flat = torch.cat([f.reshape(-1) for f in anchor.fisher.values()])
-    share = float((lam * flat > 1).double().mean())
-    p99, p999 = (float(torch.kthvalue(lam * flat, math.ceil(q * flat.numel())).values) for q in (0.99, 0.999))
-    (line,) = [r.getMessage() for r in caplog.records if "back by more than half" in r.getMessage()]
-    assert f"pulls {share:.2%} of {flat.numel():,} protected coordinates" in line
-    # train()'s lr 3e-2
-    assert f"settles at |theta - theta0| = {3e-2 / p99:.3g} at the 99th percentile of lam F, {3e-2 / p999:.3g}" in line
+def draw(model, **overrides):
+    return draw_base_responses(model, None, PROMPTS, **{**DRAW, **overrides})

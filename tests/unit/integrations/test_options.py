@@ -46,7 +46,7 @@ LOOP_ONLY = {"optimizer", "theta0"}
 # The public defaults users rely on (DESIGN.md's API); new options need only agree across the surfaces
 DEFAULTS = {
     "lam": None,
-    "kl_budget": None,
+    "predicted_kl_budget": None,
     "scale_lam_with_lr": False,
     "monitor": (),
     "free_fraction": 0.99,

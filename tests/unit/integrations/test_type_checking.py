@@ -42,7 +42,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 GOOD = """
 CFPCallback(anchor, lam=10.0)
 CFPCallback([anchor, "org/model:cfp/code"], [1.0, 10.0], monitor=["./anchors/safety"], strict=False)
-CFPCallback(anchor, kl_budget=0.05, recheck_every=10, recheck_prompts=["two plus two"], fisher_dtype="bfloat16")
+CFPCallback(anchor, predicted_kl_budget=0.05, recheck_every=10, recheck_prompts=["two plus two"], fisher_dtype="bfloat16")
 CFPCallback(anchor, lam=lambda step: min(1.0, step / 100), compute_if_missing=["a prompt"], estimate_kwargs={})
 CFP(model, anchor, 300.0, optimizer=optimizer, scale_lam_with_lr=True, sparse=0.1, sparse_by="mass")
 CFPConfig(cfp_anchor=["./anchors/math"], cfp_lam=[10.0], cfp_strict=False, cfp_recheck_every=5).build_callback()

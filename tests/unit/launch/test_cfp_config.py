@@ -44,7 +44,7 @@ def test_every_field_reaches_the_callback(anchors):
     for anchor, name in zip(loaded, ("math", "code", "safety"), strict=True):
         assert same_anchor(anchor, FisherAnchor.from_pretrained(anchors[name]))
     assert callback.settings.strength.lam == (1.0, 10.0) and callback.settings.strength.scale_with_lr
-    assert callback.settings.strength.kl_budget is None
+    assert callback.settings.strength.predicted_kl_budget is None
     memory = callback.settings.memory
     assert (memory.fisher_dtype, memory.sparse, memory.sparse_by) == ("bfloat16", 0.1, "mass")
     assert callback.settings.free_fraction == 0.95 and callback.settings.lora_rule == "factor_space"
@@ -55,8 +55,8 @@ def test_every_field_reaches_the_callback(anchors):
 def test_one_value_stands_for_every_anchor_and_a_budget_replaces_lam(anchors):
     config = CFPConfig(cfp_anchor=[anchors["math"], anchors["code"]], cfp_lam=4)  # YAML gives a scalar
     assert config.cfp_lam == [4] and config.build_callback().settings.strength.lam == (4.0, 4.0)
-    budget = CFPConfig(cfp_anchor=anchors["math"], cfp_kl_budget=0.05).build_callback().settings.strength
-    assert budget.kl_budget == (0.05,) and budget.lam == ()
+    budget = CFPConfig(cfp_anchor=anchors["math"], cfp_predicted_kl_budget=0.05).build_callback().settings.strength
+    assert budget.predicted_kl_budget == (0.05,) and budget.lam == ()
     default = CFPConfig(cfp_anchor=anchors["math"]).build_callback().settings.strength
     assert default.lam == (1.0,)  # the callback's default
 
@@ -65,6 +65,15 @@ def test_recheck_reads_its_prompt_source(anchors):
     recheck = CFPConfig(cfp_anchor=anchors["math"], cfp_recheck_every=5, cfp_recheck_prompts="math").build_callback()
     assert recheck.recheck.every == 5 and recheck.recheck.prompts == {"math": calibration_prompts("math")}
     assert recheck.recheck.refresh is False
+
+
+def test_a_measured_budget_reads_its_prompt_source(anchors):
+    callback = CFPConfig(
+        cfp_anchor=anchors["math"], cfp_kl_budget=0.2, cfp_kl_prompts="math", cfp_kl_every=5, cfp_lam=3.0
+    ).build_callback()
+    strength, measurement = callback.settings.strength, callback.settings.kl_measurement
+    assert strength.kl_budget == (0.2,) and strength.start == (3.0,)
+    assert measurement.every == 5 and measurement.prompts == {"math": calibration_prompts("math")}
 
 
 def test_yaml_then_command_line_as_trl_reads_them(anchors, tmp_path):
@@ -92,8 +101,10 @@ BAD = [
     ({"cfp_monitor": ["/no/such/dir"]}, "cfp_monitor: no anchor directory at '/no/such/dir'"),
     ({"cfp_lam": [-1.0]}, "cfp_lam must be finite and >= 0"),
     ({"cfp_lam": [1.0, 2.0]}, "cfp_lam must be a number or a sequence of 1 numbers"),
-    ({"cfp_kl_budget": [0.0]}, "cfp_kl_budget must be finite and > 0"),
-    ({"cfp_kl_budget": [0.1], "cfp_scale_lam_with_lr": True}, "cfp_scale_lam_with_lr applies to cfp_lam"),
+    ({"cfp_predicted_kl_budget": [0.0]}, "cfp_predicted_kl_budget must be finite and > 0"),
+    ({"cfp_predicted_kl_budget": [0.1], "cfp_scale_lam_with_lr": True}, "cfp_scale_lam_with_lr applies to cfp_lam"),
+    ({"cfp_kl_budget": [0.1]}, "cfp_kl_budget needs cfp_kl_prompts"),
+    ({"cfp_kl_budget": [0.1], "cfp_kl_prompts": "math", "cfp_kl_every": 0}, "cfp_kl_every must be an integer >= 1"),
     ({"cfp_free_fraction": 1.0}, "cfp_free_fraction must be in (0, 1), got 1.0"),
     ({"cfp_fisher_dtype": "float16"}, "cfp_fisher_dtype must be one of ['bfloat16', 'float32'], got 'float16'"),
     ({"cfp_sparse": 1.5}, "cfp_sparse must be None (dense) or a share in (0, 1)"),

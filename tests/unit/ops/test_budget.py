@@ -122,5 +122,5 @@ def test_a_budget_the_correction_cannot_reach_is_a_clear_error():
     fishers[0][0] = fishers[0][0].clone()
     fishers[0][0][0] = math.nan
     evaluate, _ = evaluate_on(params, theta0, fishers)
-    with pytest.raises(CFPError, match="kl_budget"):
+    with pytest.raises(CFPError, match="predicted_kl_budget"):
         solve_budget(evaluate, [1e-6], [0.0])

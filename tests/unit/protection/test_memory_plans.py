@@ -140,7 +140,7 @@ def test_bad_memory_arguments_are_clear_errors():
         MemoryPlan(sparse=0.1, sparse_by="rows")
     model = bf16_model()
     state = CFPState(model, anchor_for(model), memory=MemoryPlan(sparse=0.1))
-    with pytest.raises(CFPArgumentError, match="kl_budget"):
+    with pytest.raises(CFPArgumentError, match="predicted_kl_budget"):
         state.budget_lams([0.1])
 
 
