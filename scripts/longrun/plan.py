@@ -216,4 +216,5 @@ EMBEDDED = Plan(
     wiseft_alphas=(0.25, 0.5, 0.75),
     lora_rank=16,
     lora_learning_rate=1e-4,
+    grpo_learning_rate=1e-4,  # the rate at which the pirate reward rises (scripts/grpo_pilot.py; evidence report)
 )
