@@ -9,7 +9,8 @@
   run), ordered by task progress; "n/a" where its points do not reach that progress (never extrapolated). Per
   target, the method with the least math KL is named, with the next best and its ratio to the best.
 - Plots (`plot_report`): per optimizer the frontier (task progress against math KL, one curve per method) and
-  the curves over steps (math KL and task progress at every measured step, one line per arm).
+  the curves over steps (math KL and task progress at every measured step, one line per arm; for GRPO the
+  reward of the trainer's own samples as logged, `task_curve`).
 """
 
 import math
@@ -158,6 +159,16 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
     return "\n".join(parts)
 
 
+def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
+    """(step, task progress) along a run: the held-out measure of SFT and DPO at each measured step; for GRPO the
+    mean reward of the trainer's own samples, as TRL logs it at each logging step (the held-out reward is measured
+    at the end only)."""
+    if grpo_reward(optimizer):
+        return [(entry["step"], entry["reward"]) for entry in row.get("history", []) if "reward" in entry]
+    key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
+    return [(point["step"], point[key]) for point in row["curve"]]
+
+
 def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
     """`frontier.png` (per optimizer: task progress against math KL, one curve per method) and `curves.png` (per
     optimizer: math KL and task progress at every measured step of the first seed's arms). Returns the paths."""
@@ -187,10 +198,10 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
             steps = [p["step"] for p in row["curve"]]
             label = f"{method_label(row['arm'], plan)} {row['arm']['strength']:g}"
             axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label)
-            key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
-            axes[1][column].plot(steps, [p[key] for p in row["curve"]], label=label)
+            axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label)
         axes[0][column].set(title=optimizer.upper(), ylabel="held-out math KL (nats)")
-        axes[1][column].set(xlabel="optimizer step", ylabel="held-out task progress")
+        progress = "training reward (logged mean)" if grpo_reward(optimizer) else "held-out task progress"
+        axes[1][column].set(xlabel="optimizer step", ylabel=progress)
     axes[0][0].legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(paths[1], dpi=120)

@@ -1,0 +1,48 @@
+"""The long run's report on hand-made rows: task progress along a run (GRPO: the logged reward), the linear
+interpolation of a frontier, and the matched-progress table against values worked out by hand."""
+
+import pytest
+from support.extras import needs
+
+needs("trl", "datasets")
+
+from longrun.plan import EMBEDDED  # noqa: E402
+from longrun.report import kl_at, matched_table, task_curve  # noqa: E402
+
+
+def row(optimizer, method, strength, gain, kl, anchor=None):
+    task = {"sft": "task/sft_gain", "grpo-pirate": "task/pirate_gain"}[optimizer]
+    arm = {"optimizer": optimizer, "method": method, "strength": strength, "seed": 0, "anchor": anchor}
+    return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": {task: gain, "math/kl": kl}}
+
+
+def test_task_curves_read_the_held_out_points_or_the_logged_reward():
+    sft = {"curve": [{"step": 32, "task/sft_gain": 1.0}, {"step": 64, "task/sft_gain": 1.2}]}
+    assert task_curve(sft, "sft") == [(32, 1.0), (64, 1.2)]
+    history = [{"step": 8, "loss": 0.1, "reward": 0.02}, {"step": 16, "loss": 0.1}, {"step": 16, "reward": 0.05}]
+    assert task_curve({"curve": [], "history": history}, "grpo-pirate") == [(8, 0.02), (16, 0.05)]
+
+
+def test_kl_at_interpolates_linearly_between_bracketing_points_only():
+    points = [(0.0, 0.0), (1.0, 2.0), (2.0, 6.0)]
+    assert kl_at(points, 0.5) == pytest.approx(1.0)
+    assert kl_at(points, 1.5) == pytest.approx(4.0)
+    assert kl_at(points, 2.5) is None and kl_at([(1.0, 2.0)], 0.5) is None
+
+
+def test_the_matched_table_names_the_least_kl_at_each_share():
+    """Unregularized gain 2 at KL 8: targets 1.0 (50%) and 1.6 (80%). The KL penalty (1, 2), (1.5, 5) then the
+    unregularized end: 2.0 and 5 + 3 * 0.1 / 0.5 = 5.6 (80%: between (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5),
+    (1.8, 2.8): 0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3."""
+    rows = [
+        row("sft", "unregularized", 0.0, 2.0, 8.0),
+        row("sft", "kl", 3.0, 1.0, 2.0),
+        row("sft", "kl", 0.3, 1.5, 5.0),
+        row("sft", "cfp", 10.0, 0.5, 0.5, "math"),
+        row("sft", "cfp", 1.0, 1.8, 2.8, "math"),
+    ]
+    table = matched_table(rows, EMBEDDED, "sft", 0)
+    cfp_50, cfp_80 = 0.5 + 2.3 * 0.5 / 1.3, 0.5 + 2.3 * 1.1 / 1.3
+    assert "| KL penalty | 2 | 5.6 |" in table
+    assert f"| CFP diagonal | {cfp_50:.3g} | {cfp_80:.3g} |" in table
+    assert f"at 50%: least math KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
