@@ -173,9 +173,11 @@ class CFPCallback(TrainerCallback):
             CFPArgumentError: a schedule returned a bad value.
         """
         strength = self.settings.strength
-        if self.protection is None and (strength.predicted_kl_budget is not None or strength.scale_with_lr):
+        varies = strength.kl_budget is not None or strength.predicted_kl_budget is not None or strength.scale_with_lr
+        if self.protection is None and varies:
             raise CFPError(
-                "lam_at: with predicted_kl_budget or scale_lam_with_lr, lam_t is known only during training."
+                "lam_at: with kl_budget, predicted_kl_budget or scale_lam_with_lr, lam_t is known only during "
+                "training."
             )
         return strength.lams(step, self._step_lr, self.protection)  # type: ignore[arg-type]
 

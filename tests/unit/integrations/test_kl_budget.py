@@ -199,3 +199,9 @@ def test_text_prompts_in_the_loop_api_ask_for_drawn_responses():
 
 def draw(model, **overrides):
     return draw_base_responses(model, None, PROMPTS, **{**DRAW, **overrides})
+
+
+def test_lam_is_unknown_before_training():
+    callback = CFPCallback(random_anchor(tiny_llama()), lam=0.5, kl_budget=0.1, kl_prompts=PROMPTS)
+    with pytest.raises(CFPError, match="with kl_budget"):
+        callback.lam_at(1)
