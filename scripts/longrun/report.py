@@ -3,12 +3,14 @@
 - Final table, per optimizer: one row per arm (method, strength), the task progress, each capability's held-out
   KL, math exact match and the refusal rate, each with its 95% interval (1.96 standard errors), the scored items,
   the optimizer steps and the training seconds per step; the base model first.
-- Matched task progress, per optimizer: each method's math KL at `MATCHED` shares of the unregularized run's task
-  progress, interpolated linearly between consecutive points of its frontier (its strengths' final points and,
-  as the weakest setting, the unregularized run; WiSE-FT: the base model, its mixing weights and the finished
-  run), ordered by task progress; "n/a" where its points do not reach that progress (never extrapolated). Per
-  target, the method with the least math KL is named, with the next best and its ratio to the best.
-- Plots (`plot_report`): per optimizer the frontier (task progress against math KL, one curve per method) and
+- Matched task progress, per optimizer: each method's KL of every capability at `MATCHED` shares of the
+  unregularized run's task progress, interpolated linearly between consecutive points of its frontier (its
+  strengths' final points and, as the weakest setting, the unregularized run; WiSE-FT: the base model, its mixing
+  weights and the finished run), ordered by task progress; "n/a" where its points do not reach that progress
+  (never extrapolated). Per capability and target, the method with the least KL is named, with the next best and
+  its ratio to the best.
+- Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
+  one curve per method) and
   the curves over steps (math KL and task progress at every measured step, one line per arm; for GRPO the
   reward of the trainer's own samples as logged, `task_curve`).
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from .plan import SUPERVISED, Plan, grpo_reward
 
 MATCHED = (0.5, 0.8)  # shares of the unregularized run's task progress at which methods are compared
+CAPABILITIES = ("math", "code", "safety")
 LABELS = {
     "unregularized": "unregularized",
     "kl": "KL penalty",
@@ -91,9 +94,12 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     return "\n".join(lines)
 
 
-def frontiers(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> dict[str, list[tuple[float, float]]]:
-    """{method label: [(task progress, math KL)] ordered by task progress}: its strengths' final points and its
-    weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0))."""
+def frontiers(
+    rows: list[dict], plan: Plan, optimizer: str, seed: int, capability: str = "math"
+) -> dict[str, list[tuple[float, float]]]:
+    """{method label: [(task progress, the capability's KL)] ordered by task progress}: its strengths' final points
+    and its weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0))."""
+    kl = f"{capability}/kl"
     task = task_key(optimizer)
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and task in r["metrics"]]
     unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
@@ -101,10 +107,10 @@ def frontiers(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> dict[s
     for row in own:
         if row["arm"]["method"] == "unregularized":
             continue
-        curves[method_label(row["arm"], plan)].append((row["metrics"][task], row["metrics"]["math/kl"]))
+        curves[method_label(row["arm"], plan)].append((row["metrics"][task], row["metrics"][kl]))
     for label, points in curves.items():
         if unregularized and not label.startswith("LoRA"):
-            points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"]["math/kl"]))
+            points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"][kl]))
         if label == LABELS["wiseft"]:
             points.append((0.0, 0.0))
         points.sort()
@@ -120,7 +126,8 @@ def kl_at(points: list[tuple[float, float]], progress: float) -> float | None:
 
 
 def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
-    """Each method's math KL at the `MATCHED` shares of the unregularized run's task progress (module docstring)."""
+    """Each method's KL of every capability at the `MATCHED` shares of the unregularized run's task progress
+    (module docstring), and per capability and share the method with the least KL, the next best and its ratio."""
     task = task_key(optimizer)
     unregularized = [
         r for r in _rows_of(rows, optimizer) if r["arm"]["method"] == "unregularized" and r["arm"]["seed"] == seed
@@ -129,21 +136,24 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
         return f"(no unregularized {optimizer} run yet)"
     full = unregularized[0]["metrics"][task]
     targets = [share * full for share in MATCHED]
-    curves = frontiers(rows, plan, optimizer, seed)
-    heads = " | ".join(f"math KL at {share:.0%} ({t:.3g})" for share, t in zip(MATCHED, targets, strict=True))
-    lines = [f"| method | {heads} |", "|---|" + "---|" * len(targets)]
-    for label, points in curves.items():
-        values = [kl_at(points, t) for t in targets]
+    curves = {d: frontiers(rows, plan, optimizer, seed, d) for d in CAPABILITIES}
+    heads = [
+        f"{d} KL at {share:.0%} ({t:.3g})" for d in CAPABILITIES for share, t in zip(MATCHED, targets, strict=True)
+    ]
+    lines = ["| method | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
+    for label in curves["math"]:
+        values = [kl_at(curves[d][label], t) for d in CAPABILITIES for t in targets]
         lines.append(f"| {label} | " + " | ".join(f"{v:.3g}" if v is not None else "n/a" for v in values) + " |")
     lines.append("")
-    for share, target in zip(MATCHED, targets, strict=True):
-        found = sorted((v, label) for label, points in curves.items() if (v := kl_at(points, target)) is not None)
-        if len(found) >= 2 and found[0][0] > 0:
-            (best, first), (next_best, second) = found[:2]
-            lines.append(
-                f"- at {share:.0%}: least math KL {first} ({best:.3g}); next {second} ({next_best:.3g}, "
-                f"{next_best / best:.2g}x)"
-            )
+    for d in CAPABILITIES:
+        for share, target in zip(MATCHED, targets, strict=True):
+            found = sorted((v, label) for label, pts in curves[d].items() if (v := kl_at(pts, target)) is not None)
+            if len(found) >= 2 and found[0][0] > 0:
+                (best, first), (next_best, second) = found[:2]
+                lines.append(
+                    f"- {d} at {share:.0%}: least KL {first} ({best:.3g}); next {second} ({next_best:.3g}, "
+                    f"{next_best / best:.2g}x)"
+                )
     return "\n".join(lines)
 
 
@@ -170,8 +180,9 @@ def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
 
 
 def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
-    """`frontier.png` (per optimizer: task progress against math KL, one curve per method) and `curves.png` (per
-    optimizer: math KL and task progress at every measured step of the first seed's arms). Returns the paths."""
+    """`frontier.png` (per optimizer and capability: task progress against its KL, one curve per method) and
+    `curves.png` (per optimizer: math KL and task progress at every measured step of the first seed's arms).
+    Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,12 +191,14 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
     optimizers = [o for o in plan.optimizers if _rows_of(rows, o)]
     if not optimizers:
         return []
-    figure, axes = plt.subplots(1, len(optimizers), figsize=(5 * len(optimizers), 4), squeeze=False)
-    for axis, optimizer in zip(axes[0], optimizers, strict=True):
+    shape = (len(CAPABILITIES), len(optimizers))
+    figure, axes = plt.subplots(*shape, figsize=(5 * len(optimizers), 4 * len(CAPABILITIES)), squeeze=False)
+    for column, optimizer in enumerate(optimizers):
         seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
-        for label, points in frontiers(rows, plan, optimizer, seed).items():
-            axis.plot([k for _, k in points], [g for g, _ in points], marker="o", label=label)
-        axis.set(xlabel="held-out math KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
+        for axis, capability in zip(axes[:, column], CAPABILITIES, strict=True):
+            for label, points in frontiers(rows, plan, optimizer, seed, capability).items():
+                axis.plot([k for _, k in points], [g for g, _ in points], marker="o", label=label)
+            axis.set(xlabel=f"held-out {capability} KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
     axes[0][0].legend(fontsize=7)
     figure.tight_layout()
     paths = [out / "frontier.png", out / "curves.png"]

@@ -11,9 +11,11 @@ from longrun.report import kl_at, matched_table, task_curve  # noqa: E402
 
 
 def row(optimizer, method, strength, gain, kl, anchor=None):
+    """A row whose code KL is twice and safety KL three times its math KL."""
     task = {"sft": "task/sft_gain", "grpo-pirate": "task/pirate_gain"}[optimizer]
     arm = {"optimizer": optimizer, "method": method, "strength": strength, "seed": 0, "anchor": anchor}
-    return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": {task: gain, "math/kl": kl}}
+    metrics = {task: gain, "math/kl": kl, "code/kl": 2 * kl, "safety/kl": 3 * kl}
+    return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": metrics}
 
 
 def test_task_curves_read_the_held_out_points_or_the_logged_reward():
@@ -43,6 +45,9 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     ]
     table = matched_table(rows, EMBEDDED, "sft", 0)
     cfp_50, cfp_80 = 0.5 + 2.3 * 0.5 / 1.3, 0.5 + 2.3 * 1.1 / 1.3
-    assert "| KL penalty | 2 | 5.6 |" in table
-    assert f"| CFP diagonal | {cfp_50:.3g} | {cfp_80:.3g} |" in table
-    assert f"at 50%: least math KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
+    kl_row = [2.0, 5.6, 4.0, 11.2, 6.0, 16.8]  # math, code, safety at 50% and 80%
+    cfp_row = [cfp_50, cfp_80, 2 * cfp_50, 2 * cfp_80, 3 * cfp_50, 3 * cfp_80]
+    assert "| KL penalty | " + " | ".join(f"{v:.3g}" for v in kl_row) + " |" in table
+    assert "| CFP diagonal | " + " | ".join(f"{v:.3g}" for v in cfp_row) + " |" in table
+    assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
+    assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
