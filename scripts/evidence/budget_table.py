@@ -1,7 +1,8 @@
-"""The KL budget on a real model: for each budget B (nats), an SFT run under `CFPCallback(math, predicted_kl_budget=B)`,
-and what came of it: the predicted KL 0.5 Delta^T F Delta at the last step (which the budget bounds), the
-measured KL(mu_0 || mu_theta) on the anchor's own calibration prompts and on held-out math prompts, and the
-task's gain. Plus, over the evidence experiment's arms, how the predicted KL compares with the measured one.
+"""The predicted-KL budget on a real model: for each budget B, an SFT run under
+`CFPCallback(math, predicted_kl_budget=B)`, and what came of it: the predicted KL 0.5 Delta^T F Delta at the last
+step (which the budget bounds), the measured KL(mu_0 || mu_theta) on the anchor's own calibration prompts and on
+held-out math prompts, and the task's gain. Plus, over the evidence experiment's arms, how the predicted KL compares
+with the measured one.
 
 Results go to `<output_dir>/results.jsonl` as they finish (resumable, like the evidence run); anchors are
 shared with the evidence experiment's directory when given the same one.

@@ -54,7 +54,8 @@ def arm_callbacks(arm: Arm, anchors: dict[str, FisherAnchor]) -> list:
         return [step_only, CFPCallback(measured[0], lam=0.0, monitor=measured[1:])]
     if arm.method == "budget":
         protecting = anchors[arm.anchor]
-        return [CFPCallback(protecting, predicted_kl_budget=arm.strength, monitor=[a for a in measured if a is not protecting])]
+        others = [a for a in measured if a is not protecting]
+        return [CFPCallback(protecting, predicted_kl_budget=arm.strength, monitor=others)]
     # cfp / isotropic: lam from the protecting anchor's own p99 (isotropic: math's, the same lam without shape)
     protecting = anchors["isotropic"] if arm.method == "isotropic" else anchors[arm.anchor]
     lam = lam_of(anchors[arm.anchor], arm.strength)

@@ -1,7 +1,7 @@
 """K-FAC anchors through the Trainer, the loop API and the Hub: a run resumed from a checkpoint is bit-identical to
-the uninterrupted one, predicted_kl_budget holds the predicted KL of the K-FAC quadratic, the loop API's state_dict resumes
-bit for bit, an anchor pushed to a (local) Hub comes back with its factors and protects, and TRL's DPO runs with
-it."""
+the uninterrupted one, predicted_kl_budget holds the predicted KL of the K-FAC quadratic, the loop API's state_dict
+resumes bit for bit, an anchor pushed to a (local) Hub comes back with its factors and protects, and TRL's DPO runs
+with it."""
 
 import copy
 

@@ -1,5 +1,5 @@
-"""CFPCallback(predicted_kl_budget=...) and scale_lam_with_lr in a real Trainer run on the tiny model: the budget's rules
-(never exceeded by more than 5% at a logged step, not over-protecting, bit-identical to no correction while the
+"""CFPCallback(predicted_kl_budget=...) and scale_lam_with_lr in a real Trainer run on the tiny model: the budget's
+rules (never exceeded by more than 5% at a logged step, not over-protecting, bit-identical to no correction while the
 path stays inside), refused arguments, lr-scaled lam against a hand-written loop, and the train-begin line."""
 
 import logging
