@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from support.anchors import random_anchor
+from support.extras import needs
 from support.tiny import tiny_llama
 from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, lm_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -205,3 +206,17 @@ def test_lam_is_unknown_before_training():
     callback = CFPCallback(random_anchor(tiny_llama()), lam=0.5, kl_budget=0.1, kl_prompts=PROMPTS)
     with pytest.raises(CFPError, match="with kl_budget"):
         callback.lam_at(1)
+
+
+def test_on_a_peft_model_the_controller_sets_the_lora_corrections_lam():
+    """LoRA on q_proj and v_proj: the measured KL is the PeftModel's, and lam moves by the rule."""
+    needs("peft")
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_llama()
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    protector = CFP(model, random_anchor(base), lam=0.5, kl_budget=1e-6, kl_prompts=draw(base), kl_every=2)
+    adamw_loop(model, full_batch_rows(), 4, after_step=protector.step)
+    reference = kl_to_base(base, model, None, PROMPTS, **DRAW)
+    assert protector.measured[0].kl == pytest.approx(reference, rel=1e-9) and reference > 1e-6
+    assert protector.protection.lams == pytest.approx([0.5 * 1.2 * 1.2])  # over budget at both measurements
