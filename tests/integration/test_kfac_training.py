@@ -9,8 +9,7 @@ import pytest
 import torch
 from support.extras import needs
 from support.tiny import tiny_llama, tiny_tokenizer
-from support.training import lm_dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from support.training import CrashAfterSave, checkpointed_run
 
 from hf_cfp import CFP, CFPCallback, FisherAnchor, estimate_fisher
 from hf_cfp.fisher import kfac_factors
@@ -33,30 +32,9 @@ def kfac_anchor(model, name="math", rank=None):
     )
 
 
-class Crash(TrainerCallback):
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == 4:
-            raise KeyboardInterrupt("simulated crash")
-
-
 def run(output_dir, anchor_dir, extra=(), resume=None, **callback_kwargs):
-    model = tiny_llama()
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=6,
-        save_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=3e-2,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
     cfp = CFPCallback(str(anchor_dir), **callback_kwargs)
-    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
-    trainer.train(resume_from_checkpoint=resume)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history
+    return checkpointed_run(tiny_llama(), output_dir, [cfp, *extra], resume)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +47,7 @@ def anchor_dir(tmp_path_factory):
 def test_a_resumed_run_is_bit_identical(anchor_dir, tmp_path):
     straight, _ = run(tmp_path / "straight", anchor_dir, lam=lambda step: 50.0 * step)
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "crashed", anchor_dir, extra=[Crash()], lam=lambda step: 50.0 * step)
+        run(tmp_path / "crashed", anchor_dir, extra=[CrashAfterSave(4)], lam=lambda step: 50.0 * step)
     resumed, _ = run(tmp_path / "crashed", anchor_dir, resume=True, lam=lambda step: 50.0 * step)
     plain, _ = run(tmp_path / "plain", anchor_dir, lam=0.0)
     assert all(torch.equal(resumed[n], straight[n]) for n in straight)

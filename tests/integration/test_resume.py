@@ -9,22 +9,10 @@ from safetensors import safe_open
 from support.anchors import random_anchor
 from support.extras import needs
 from support.tiny import tiny_llama
-from support.training import lm_dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from support.training import CrashAfterSave, checkpointed_run
 
 import hf_cfp.integrations.callback as callback_module
 from hf_cfp import CFPCallback, CFPError
-
-
-class Crash(TrainerCallback):
-    """Stops the run with an exception after `step` (the checkpoint of that step is already saved)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            raise KeyboardInterrupt("simulated crash")
 
 
 def run(output_dir, extra=(), resume=None, args_overrides=None, lora_targets=None, **callback_kwargs):
@@ -38,24 +26,8 @@ def run(output_dir, extra=(), resume=None, args_overrides=None, lora_targets=Non
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=4, target_modules=lora_targets, modules_to_save=["lm_head"]))
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=6,
-        save_steps=2,
-        save_total_limit=1,
-        per_device_train_batch_size=4,
-        learning_rate=3e-2,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-        **(args_overrides or {}),
-    )
     cfp = CFPCallback(lam=lambda step: 2.0 * step, **anchors, **callback_kwargs)
-    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
-    trainer.train(resume_from_checkpoint=resume)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history
+    return checkpointed_run(model, output_dir, [cfp, *extra], resume, save_total_limit=1, **(args_overrides or {}))
 
 
 def max_gap(a, b):
@@ -68,7 +40,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
     straight, straight_logs = run(tmp / "straight")
     with pytest.raises(KeyboardInterrupt):
-        run(tmp / "crashed", extra=[Crash(step=4)])
+        run(tmp / "crashed", extra=[CrashAfterSave(4)])
     shutil.copytree(tmp / "crashed", tmp / "kept")  # resuming in "crashed" rotates checkpoint-4 away
     return tmp, straight, straight_logs
 
@@ -139,7 +111,7 @@ def lora_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume-lora")
     straight, straight_logs = lora_run(tmp / "straight")
     with pytest.raises(KeyboardInterrupt):
-        lora_run(tmp / "crashed", extra=[Crash(step=4)])
+        lora_run(tmp / "crashed", extra=[CrashAfterSave(4)])
     return tmp, straight, straight_logs
 
 

@@ -1,7 +1,7 @@
 """Tiny `transformers.Trainer` runs on random token rows: CPU, seeded, no saving, no reporting."""
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
 def lm_dataset(n=16, length=12, vocab=32, seed=0):
@@ -96,3 +96,36 @@ def adamw_loop(model, rows, steps, lr=1e-2, after_step=lambda: None, lr_at=None)
         optimizer.step()
         optimizer.zero_grad()
         after_step()
+
+
+class CrashAfterSave(TrainerCallback):
+    """Stops a run with an exception right after the checkpoint of optimizer step `step` is saved."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt("simulated crash")
+
+
+def checkpointed_run(model, output_dir, callbacks, resume=None, **overrides):
+    """6 steps of `model` on `lm_dataset()` (batch 4, lr 3e-2, a log line per step, seed 0) with a checkpoint every 2
+    steps, resumed from `resume` (as `Trainer.train(resume_from_checkpoint=...)` takes it); returns (the final
+    parameters, the log history)."""
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=6,
+        save_steps=2,
+        per_device_train_batch_size=4,
+        learning_rate=3e-2,
+        use_cpu=True,
+        report_to="none",
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+    args = TrainingArguments(**{**settings, **overrides})
+    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=list(callbacks))
+    trainer.train(resume_from_checkpoint=resume)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, trainer.state.log_history

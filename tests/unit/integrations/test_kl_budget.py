@@ -14,8 +14,8 @@ import torch
 from support.anchors import random_anchor
 from support.extras import needs
 from support.tiny import tiny_llama
-from support.training import adamw_loop, full_batch_rows, full_batch_trainer_args, lm_dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from support.training import CrashAfterSave, adamw_loop, checkpointed_run, full_batch_rows, full_batch_trainer_args
+from transformers import Trainer
 
 from hf_cfp import CFP, CFPCallback, CFPError, estimate_fisher, kl_to_base
 from hf_cfp.errors import CFPArgumentError
@@ -118,37 +118,18 @@ def test_state_dict_resumes_the_controller_bit_for_bit():
     assert again.protection.lams == protector.protection.lams
 
 
-class Crash(TrainerCallback):
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == 4:
-            raise KeyboardInterrupt("simulated crash")
-
-
 def run(output_dir, extra=(), resume=None, **callback_kwargs):
     """6 steps of the tiny Llama under kl_budget (measured every 2 steps), checkpoints every 2."""
     model = tiny_llama()
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=6,
-        save_steps=2,
-        per_device_train_batch_size=4,
-        learning_rate=3e-2,
-        use_cpu=True,
-        report_to="none",
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-    )
     cfp = CFPCallback(random_anchor(model), lam=0.5, kl_budget=0.05, kl_prompts=PROMPTS, kl_every=2, **callback_kwargs)
-    trainer = Trainer(model=model, args=args, train_dataset=lm_dataset(), callbacks=[cfp, *extra])
-    trainer.train(resume_from_checkpoint=resume)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, cfp
+    params, _ = checkpointed_run(model, output_dir, [cfp, *extra], resume)
+    return params, cfp
 
 
 def test_resuming_a_checkpoint_keeps_the_base_responses_and_lams(tmp_path):
     straight, kept = run(tmp_path / "straight")
     with pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "crashed", extra=[Crash()])
+        run(tmp_path / "crashed", extra=[CrashAfterSave(4)])
     saved = json.loads((tmp_path / "crashed" / "checkpoint-4" / STATE_FILE).read_text())
     assert list(saved["responses"]) == ["math"] and len(saved["lams"]) == 1
     bare = tmp_path / "bare" / "checkpoint-4"
