@@ -92,7 +92,8 @@ class CFP:
 
     def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
         """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)
-        with lam_t from `lam` (or solved for `predicted_kl_budget`) at this step.
+        with lam_t from `lam`, from the `kl_budget` controller, or solved for `predicted_kl_budget` at this step; under
+        `kl_budget`, every `kl_every` steps the KL is then measured and lam_t set for the steps that follow.
 
         Args:
             step (`int`, *optional*): the optimizer step just taken (1-based); defaults to counting the calls.
