@@ -94,7 +94,11 @@ FREE_DRIFT = LoggedMetric(
     _EVERY_ANCHOR,
 )
 TOTAL_DRIFT = LoggedMetric("cfp/total_drift", "`norm(Delta)` over every covered parameter", "every logging step")
-LAM = LoggedMetric("cfp/<anchor>/lam", "the lam_t of the step", "every logging step, per protecting anchor")
+LAM = LoggedMetric(
+    "cfp/<anchor>/lam",
+    "the lam_t of the step (with `kl_budget`: the controller's latest, which a measurement at this step has set)",
+    "every logging step, per protecting anchor",
+)
 ADAPTER_RESIDUAL = LoggedMetric(
     "cfp/<anchor>/adapter_residual",
     "the share of the CFP target `Delta / (1 + lam F)` the LoRA factors could not represent",
