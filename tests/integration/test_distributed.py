@@ -26,8 +26,11 @@ import pytest
 import torch
 from support.distributed import (
     KEYS,
+    KL_BUDGET,
+    LAM,
     LORA_KEYS,
     RESUME_STEP,
+    ROWS,
     Resume,
     check_ddp_equals_one_process,
     check_lora_equals_one_process,
@@ -42,6 +45,7 @@ from support.distributed import (
     restored_in_one_process,
     run_worker,
     save_one_process_theta0,
+    trainer_run,
 )
 from support.extras import requires
 
@@ -100,6 +104,21 @@ def check_metrics(ranks, mode, theta0):
 def test_ddp_trainer_equals_one_process(ranks, tmp_path):
     check_ddp_equals_one_process([r["ddp_params"] for r in ranks], [r["ddp_logs"] for r in ranks], tmp_path)
     check_metrics(ranks, "ddp", initial_params())
+
+
+def test_ddp_kl_budget_holds_lam_replicated_and_equals_one_process(ranks, tmp_path):
+    """kl_budget measured every step under DDP: both processes log the same measured KL and lam and end with the
+    same weights, within 1e-5 of a one-process run of the same global batch, whose controller moved lam."""
+    model = make_model()
+    single_logs = trainer_run(model, [make_callback(model, **KL_BUDGET)], tmp_path / "one", per_device_batch=ROWS)
+    logs = [r["ddp_kl_logs"] for r in ranks]
+    for key in ("cfp/math/measured_kl", "cfp/math/lam"):
+        assert logs[0][key] == logs[1][key], key
+        assert logs[0][key] == pytest.approx(single_logs[key], rel=1e-5), key
+    assert single_logs["cfp/math/lam"] != LAM  # the controller acted
+    assert max_diff(ranks[0]["ddp_kl_params"], ranks[1]["ddp_kl_params"]) == 0
+    single = {n: p.detach() for n, p in model.named_parameters()}
+    assert max_diff(ranks[0]["ddp_kl_params"], single) <= 1e-5
 
 
 def matches_single_loop_run(ranks, mode):

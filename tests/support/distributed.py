@@ -82,6 +82,10 @@ def random_fisher(model, seed, keep=lambda name: True):
     return {n: t.float().reshape(shapes[n]) for n, t in zip(shapes, flat.split(sizes), strict=True)}
 
 
+# kl_budget measured every step on token-id prompts (lam = LAM is the controller's start)
+KL_BUDGET = {"kl_budget": 1e-3, "kl_prompts": [[1, 2, 3], [4, 5, 6, 7]], "kl_every": 1}
+
+
 def make_callback(model, **kwargs):
     """Protect with `math` (every parameter) and monitor `code` (the MLPs only); `kwargs` go to CFPCallback."""
     math_anchor = FisherAnchor(random_fisher(model, seed=1), name="math")
