@@ -6,13 +6,12 @@
 - Matched task progress, per optimizer: each method's KL of every capability at `MATCHED` shares of the
   unregularized run's task progress, interpolated linearly between consecutive points of its frontier (its
   strengths' final points and, as the weakest setting, the unregularized run; WiSE-FT: the base model, its mixing
-  weights and the finished run), ordered by task progress; "n/a" where its points do not reach that progress
-  (never extrapolated). Per capability and target, the method with the least KL is named, with the next best and
-  its ratio to the best.
+  weights and the finished run; early stopping: the unregularized run's measured points), ordered by task
+  progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
+  method with the least KL is named, with the next best and its ratio to the best.
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
-  one curve per method) and
-  the curves over steps (math KL and task progress at every measured step, one line per arm; for GRPO the
-  reward of the trainer's own samples as logged, `task_curve`).
+  one curve per method) and the curves over steps (math KL and task progress at every measured step, one line per
+  arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`).
 """
 
 import math
@@ -32,6 +31,7 @@ LABELS = {
     "wiseft": "WiSE-FT",
     "lora": "LoRA",
 }
+EARLY_STOPPING = "early stopping"
 MISSING = "—"
 
 
@@ -98,7 +98,9 @@ def frontiers(
     rows: list[dict], plan: Plan, optimizer: str, seed: int, capability: str = "math"
 ) -> dict[str, list[tuple[float, float]]]:
     """{method label: [(task progress, the capability's KL)] ordered by task progress}: its strengths' final points
-    and its weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0))."""
+    and its weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0)); and `EARLY_STOPPING`:
+    the unregularized run's own measured points (KL on the first response of each prompt) from the base model at
+    (0, 0), where its curve measures the task (SFT and DPO; GRPO's curve logs the training reward instead)."""
     kl = f"{capability}/kl"
     task = task_key(optimizer)
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and task in r["metrics"]]
@@ -113,6 +115,10 @@ def frontiers(
             points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"][kl]))
         if label == LABELS["wiseft"]:
             points.append((0.0, 0.0))
+    stopped = [(p[task], p[kl]) for r in unregularized for p in r.get("curve", []) if task in p]
+    if stopped:
+        curves[EARLY_STOPPING] = [(0.0, 0.0), *stopped]
+    for points in curves.values():
         points.sort()
     return dict(curves)
 

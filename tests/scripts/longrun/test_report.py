@@ -51,3 +51,19 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     assert "| CFP diagonal | " + " | ".join(f"{v:.3g}" for v in cfp_row) + " |" in table
     assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
     assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
+
+
+def test_early_stopping_is_the_unregularized_runs_own_curve_from_the_base():
+    """Unregularized gain 2 at KL 8, measured at (0.8, 2) and (2, 8) along the way: with the base at (0, 0), the
+    early-stopping KL at 50% (1.0) is 2 + 6 * 0.2 / 1.2 = 3 and at 80% (1.6) 2 + 6 * 0.8 / 1.2 = 6."""
+    unregularized = row("sft", "unregularized", 0.0, 2.0, 8.0)
+    curve = [(0.8, 2.0), (2.0, 8.0)]
+    unregularized["curve"] = [
+        {"step": s, "task/sft_gain": g, "math/kl": k, "code/kl": 2 * k, "safety/kl": 3 * k}
+        for s, (g, k) in enumerate(curve, 1)
+    ]
+    table = matched_table([unregularized, row("sft", "kl", 0.3, 1.5, 5.0)], EMBEDDED, "sft", 0)
+    assert "| early stopping | 3 | 6 | 6 | 12 | 9 | 18 |" in table
+    grpo = row("grpo-pirate", "unregularized", 0.0, 0.1, 1.0)
+    grpo["curve"] = [{"step": 1, "math/kl": 0.5, "code/kl": 1.0, "safety/kl": 1.5}]
+    assert "early stopping" not in matched_table([grpo], EMBEDDED, "grpo-pirate", 0)
