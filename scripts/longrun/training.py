@@ -156,15 +156,22 @@ class TrainerFactory:
         )
 
 
-def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path):
-    """(trained model, curve points, {"train_seconds", "seconds_per_step"} without the measuring time, the
-    logged training history)."""
+def prepared_trainer(arm: Arm, factory: TrainerFactory, anchors: dict, callbacks: list, output_dir: Path):
+    """The arm's trainer on a fresh copy of the base model (LoRA-wrapped for LoRA arms): its protection, then
+    `callbacks` (after the correction), no console printer."""
     model = copy.deepcopy(factory.base_model).train()
     if arm.method.startswith("lora"):
         model = lora_model(model, factory.plan.lora_rank)
-    curve = CurveCallback(probe, factory.plan.measured_steps(arm.optimizer))
-    trainer = factory.build(arm, model, [*protection(arm, anchors), curve], output_dir)
+    trainer = factory.build(arm, model, [*protection(arm, anchors), *callbacks], output_dir)
     trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path):
+    """(trained model, curve points, {"train_seconds", "seconds_per_step"} without the measuring time, the
+    logged training history)."""
+    curve = CurveCallback(probe, factory.plan.measured_steps(arm.optimizer))
+    trainer = prepared_trainer(arm, factory, anchors, [curve], output_dir)
     start = time.perf_counter()
     trainer.train()
     seconds = time.perf_counter() - start - curve.measuring
