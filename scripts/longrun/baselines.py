@@ -63,7 +63,7 @@ class Distillation:
         device = next(model.parameters()).device
         rows = torch.tensor(chosen)
         logits = model(input_ids=self.input_ids[rows].to(device), attention_mask=self.attention_mask[rows].to(device))
-        total, positions = 0.0, 0
+        total, positions = torch.zeros((), device=device), 0
         for k, n in enumerate(chosen):
             log_p = nnf.log_softmax(logits.logits[k, self.positions[n].to(device)].float(), dim=-1)
             log_p0 = self.base_log_probs[n].to(device)
@@ -77,10 +77,11 @@ def with_distillation(trainer_class: type) -> type:
     `distill_beta * distillation.kl(model)` (`Distillation`), the mean KLbar of each log window logged as
     `lwf_kl`. Constructed with the trainer's arguments plus `distillation=` and `distill_beta=`."""
 
-    class DistillationTrainer(trainer_class):  # type: ignore[valid-type,misc]
+    class DistillationTrainer(trainer_class):
         def __init__(self, *args: Any, distillation: Distillation, distill_beta: float, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self.distillation, self.distill_beta, self._kls = distillation, float(distill_beta), []
+            self.distillation, self.distill_beta = distillation, float(distill_beta)
+            self._kls: list[float] = []
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)

@@ -136,9 +136,8 @@ class Probe:
         row["math/exact_match"], row["math/items"] = accuracy, len(self.math)
         row["math/exact_match_stderr"] = math.sqrt(accuracy * (1 - accuracy) / len(self.math))
         for domain in ("code", "safety"):
-            items = eval_items(domain)
-            prompts, answers = [p for p, _ in items], [a for _, a in items]
-            row[f"{domain}/log_lik"] = reference_log_likelihood(model, self.tokenizer, prompts, answers)
+            questions, references = [p for p, _ in eval_items(domain)], [a for _, a in eval_items(domain)]
+            row[f"{domain}/log_lik"] = reference_log_likelihood(model, self.tokenizer, questions, references)
         safety = [p for p, _ in eval_items("safety")]
         row["safety/refusal_rate"] = refusal_rate(model, self.tokenizer, safety, self.plan.math_new_tokens * 2)
         row["safety/items"] = len(safety)
