@@ -29,6 +29,7 @@ from hf_cfp.evaluation import (
     BaseResponses,
     answer_log_probs,
     draw_base_responses,
+    greedy_answers,
     greedy_exact_match,
     kl_estimate,
     reference_log_likelihood,
@@ -40,6 +41,7 @@ from .data import math_problems
 from .plan import Plan, grpo_reward
 
 DOMAINS = ("math", "code", "safety")
+MATH_EXAMPLES = 8  # greedy answers kept per row (`Probe.math_examples`), to read what exact match scored
 
 
 def mean_stderr(values: torch.Tensor) -> tuple[float, float]:
@@ -145,3 +147,14 @@ class Probe:
             for name, value in self._rewards(model).items():
                 row[f"task/{name}_reward"], row[f"task/{name}_gain"] = value, value - self.base_rewards[name]
         return row
+
+    def math_examples(self, model) -> list[dict[str, str]]:
+        """The greedy answers (decoded, `math_new_tokens`) to the first `MATH_EXAMPLES` math problems, each with
+        its problem and the reference answer: what `math/exact_match` scored, to read."""
+        problems = self.math[:MATH_EXAMPLES]
+        prompts = [prompt for prompt, _ in problems]
+        responses = greedy_answers(model, self.tokenizer, prompts, self.plan.math_new_tokens)
+        return [
+            {"prompt": prompt, "answer": str(answer), "response": self.tokenizer.decode(ids, skip_special_tokens=True)}
+            for (prompt, answer), ids in zip(problems, responses, strict=True)
+        ]

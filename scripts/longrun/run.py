@@ -3,9 +3,10 @@ every arm of the plan, one JSON line per arm in `<output_dir>/results.jsonl` as 
 already there, as the evidence run does).
 
 A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measure.Probe.final`, plus
-`train_seconds` and `seconds_per_step` without the measuring time), `curve` (`Probe.point` at every measured step,
-the last one at the end of the run), `history` (the trainer's logged loss, reward and KL terms per logging step)
-and `seconds` (the arm's wall time, measuring included). The unregularized run's final weights are kept in
+`train_seconds` and `seconds_per_step` without the measuring time), `math_examples` (`Probe.math_examples`: the
+greedy answers to the first math problems), `curve` (`Probe.point` at every measured step, the last one at the end
+of the run), `history` (the trainer's logged loss, reward and KL terms per logging step) and `seconds` (the arm's
+wall time, measuring included). The unregularized run's final weights are kept in
 `<output_dir>/weights/` for its WiSE-FT points.
 """
 
@@ -94,6 +95,7 @@ class LongRun:
             "arm": asdict(arm),
             "steps": steps,
             "metrics": metrics,
+            "math_examples": self.probe.math_examples(model),
             "curve": curve,
             "history": logged,
             "seconds": time.perf_counter() - start,
@@ -111,7 +113,13 @@ def run_long(plan: Plan, model_name: str, output_dir: str, anchors_dir: str | No
     run = LongRun(plan, model_name, out, Path(anchors_dir) if anchors_dir else out / "anchors", todo)
     if "base" not in done:
         rewarded = plan.optimizers[-1]  # a GRPO optimizer when the plan has one: the base's rewards too
-        done["base"] = {"key": "base", "steps": 0, "metrics": run.probe.final(run.base_model, rewarded)}
+        metrics = run.probe.final(run.base_model, rewarded)
+        done["base"] = {
+            "key": "base",
+            "steps": 0,
+            "metrics": metrics,
+            "math_examples": run.probe.math_examples(run.base_model),
+        }
         append_row(results, done["base"])
     bar = tqdm(todo, desc="arms", unit="arm")
     for arm in bar:

@@ -13,6 +13,8 @@ from support.tiny_runs import result_rows, run_tiny
 
 needs("trl", "datasets", "peft")
 
+from longrun.data import math_problems  # noqa: E402
+from longrun.measure import MATH_EXAMPLES  # noqa: E402
 from longrun.plan import TINY  # noqa: E402
 
 pytest.importorskip("matplotlib", reason="the plots need the `demo` extra (matplotlib)")
@@ -45,6 +47,11 @@ def test_every_arm_is_measured_along_its_run_and_at_its_end(tiny_run):
         assert [p["step"] for p in row["curve"]] == TINY.measured_steps(arm.optimizer)
         assert all(p["math/kl_items"] == TINY.kl_prompts for p in row["curve"])  # one response per prompt
         assert row["metrics"]["seconds_per_step"] > 0 and row["metrics"]["task/items"] == TINY.heldout_prompts
+    problems = math_problems(MATH_EXAMPLES)
+    for row in rows.values():  # the base model's too
+        examples = row["math_examples"]
+        assert [(e["prompt"], e["answer"]) for e in examples] == [(p, str(a)) for p, a in problems]
+        assert all(isinstance(e["response"], str) for e in examples)
     assert rows["sft/unregularized@0/seed0"]["metrics"]["task/sft_gain"] > 0.1
     assert "task/pirate_gain" in rows["grpo-pirate/unregularized@0/seed0"]["metrics"]
     assert any("lwf_kl" in entry for entry in rows["sft/lwf[math]@1/seed0"]["history"])
