@@ -9,6 +9,8 @@
   weights and the finished run; early stopping: the unregularized run's measured points), ordered by task
   progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
   method with the least KL is named, with the next best and its ratio to the best.
+- Along each run, per supervised optimizer (`trajectory_table`): each trained arm's KL where its own measured
+  curve reaches those shares, as if it had been stopped there.
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
   one curve per method) and the curves over steps (math KL and task progress at every measured step, one line per
   arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`).
@@ -163,6 +165,32 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
     return "\n".join(lines)
 
 
+def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
+    """Each trained arm's KL of every capability at the step where its own curve reaches the `MATCHED` shares of
+    the unregularized run's final task progress: linear between its measured points, from the base model at step 0
+    (0, 0); "n/a" where the arm never reaches that progress. SFT and DPO only (GRPO's curve logs the training
+    reward); the unregularized run's row is the matched table's early stopping."""
+    task = task_key(optimizer)
+    own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and r.get("curve")]
+    unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
+    if grpo_reward(optimizer) or not unregularized:
+        return ""
+    targets = [share * unregularized[0]["metrics"][task] for share in MATCHED]
+    heads = [f"{d} KL at {share:.0%}" for d in CAPABILITIES for share in MATCHED]
+    lines = ["| arm | strength | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
+    for row in own:
+        if row["arm"]["method"] == "unregularized":
+            continue
+        values = []
+        for d in CAPABILITIES:
+            path = [(0.0, 0.0), *sorted((p[task], p[f"{d}/kl"]) for p in row["curve"])]
+            values += [kl_at(path, t) for t in targets]
+        cells = [method_label(row["arm"], plan), f"{row['arm']['strength']:g}"]
+        cells += [f"{v:.3g}" if v is not None else "n/a" for v in values]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def markdown_report(rows: list[dict], plan: Plan) -> str:
     """Every table, per optimizer that has rows (the first seed for the matched comparison)."""
     parts = ["# Long run", ""]
@@ -172,6 +200,9 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
         seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
         parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
         parts += [f"### At matched task progress (seed {seed})", "", matched_table(rows, plan, optimizer, seed), ""]
+        along = trajectory_table(rows, plan, optimizer, seed)
+        if along:
+            parts += [f"### At matched task progress along each run (seed {seed})", "", along, ""]
     return "\n".join(parts)
 
 

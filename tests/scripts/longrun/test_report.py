@@ -7,7 +7,7 @@ from support.extras import needs
 needs("trl", "datasets")
 
 from longrun.plan import EMBEDDED  # noqa: E402
-from longrun.report import kl_at, matched_table, task_curve  # noqa: E402
+from longrun.report import kl_at, matched_table, task_curve, trajectory_table  # noqa: E402
 
 
 def row(optimizer, method, strength, gain, kl, anchor=None):
@@ -67,3 +67,25 @@ def test_early_stopping_is_the_unregularized_runs_own_curve_from_the_base():
     grpo = row("grpo-pirate", "unregularized", 0.0, 0.1, 1.0)
     grpo["curve"] = [{"step": 1, "math/kl": 0.5, "code/kl": 1.0, "safety/kl": 1.5}]
     assert "early stopping" not in matched_table([grpo], EMBEDDED, "grpo-pirate", 0)
+
+
+def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
+    """Unregularized final gain 2: targets 1.0 and 1.6. The KL penalty measured at (0.5, 1) and (1.5, 2): 50% at
+    1 + 1 * 0.5 / 1 = 1.5; it never reaches 1.6 (n/a). CFP diagonal measured at (2, 0.4) only: from (0, 0), 0.2 and
+    0.32. Code and safety KL are twice and three times math's."""
+
+    def curve(points):
+        return [
+            {"step": s, "task/sft_gain": g, "math/kl": k, "code/kl": 2 * k, "safety/kl": 3 * k}
+            for s, (g, k) in enumerate(points, 1)
+        ]
+
+    unregularized = row("sft", "unregularized", 0.0, 2.0, 8.0)
+    unregularized["curve"] = curve([(2.0, 8.0)])
+    kl, cfp = row("sft", "kl", 0.3, 1.5, 2.5), row("sft", "cfp", 1.0, 2.0, 0.5, "math")
+    kl["curve"], cfp["curve"] = curve([(1.5, 2.0), (0.5, 1.0)]), curve([(2.0, 0.4)])
+    table = trajectory_table([unregularized, kl, cfp], EMBEDDED, "sft", 0)
+    assert "| KL penalty | 0.3 | 1.5 | n/a | 3 | n/a | 4.5 | n/a |" in table
+    assert "| CFP diagonal | 1 | 0.2 | 0.32 | 0.4 | 0.64 | 0.6 | 0.96 |" in table
+    assert "unregularized" not in table
+    assert trajectory_table([unregularized, kl], EMBEDDED, "grpo-pirate", 0) == ""
