@@ -29,16 +29,14 @@ import datasets
 import torch
 from evidence.anchors import AnchorStore
 from evidence.run import tiny_model_and_tokenizer
-from longrun.baselines import Distillation
 from longrun.plan import EMBEDDED, TINY, Plan
 from longrun.report import method_label
-from longrun.run import task_split
+from longrun.run import lwf_targets, task_split
 from longrun.training import TrainerFactory, prepared_trainer
 from tqdm.auto import tqdm
 from transformers import TrainerCallback
 
 from hf_cfp.loading.models import load_causal_lm
-from hf_cfp.loading.prompts import calibration_prompts
 
 
 class StepTimer(TrainerCallback):
@@ -65,13 +63,7 @@ def timed_steps(plan: Plan, model, tokenizer, arms: list, rounds: int, anchors_d
     store = AnchorStore(model, tokenizer, plan.anchors, anchors_dir)
     store.prepare({name for arm in arms for name in plan.anchors_of(arm)})
     items, _ = task_split(model, tokenizer, plan, cache / "task.jsonl")
-    distillation = None
-    if any(arm.method == "lwf" for arm in arms):
-        sizes = plan.anchors
-        distillation = Distillation(
-            model, tokenizer, calibration_prompts("math"), sizes.anchor_sequences, sizes.anchor_new_tokens,
-            plan.batch_size, cache / "distillation.pt",
-        )  # fmt: skip
+    distillation = lwf_targets(model, tokenizer, plan, arms, cache / "distillation.pt")
     factory = TrainerFactory(model, tokenizer, plan, items, distillation)
     seconds: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as scratch:

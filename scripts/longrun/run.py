@@ -45,6 +45,17 @@ def task_split(base_model, tokenizer, plan: Plan, path: Path) -> tuple[list[dict
     return [i for i in items if i["prompt"] in training], [i for i in items if i["prompt"] not in training]
 
 
+def lwf_targets(model, tokenizer, plan: Plan, arms: list, path: Path) -> Distillation | None:
+    """The LwF targets on the math anchor's calibration sequences (cached at `path`) when `arms` has an LwF arm."""
+    if not any(arm.method == "lwf" for arm in arms):
+        return None
+    sizes = plan.anchors
+    prompts = calibration_prompts("math")
+    return Distillation(
+        model, tokenizer, prompts, sizes.anchor_sequences, sizes.anchor_new_tokens, plan.batch_size, path
+    )
+
+
 def trained_weights(model) -> dict[str, torch.Tensor]:
     """The model's parameters by name (tied ones once), detached copies."""
     return {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -63,13 +74,7 @@ class LongRun:
         print("Drawing the base model's held-out responses (once)", flush=True)
         references = base_references(model, tokenizer, plan, out / "references.pt")
         self.probe = Probe(model, tokenizer, plan, self.heldout, references)
-        distillation = None
-        if any(arm.method == "lwf" for arm in todo):
-            anchors = plan.anchors
-            distillation = Distillation(
-                model, tokenizer, calibration_prompts("math"), anchors.anchor_sequences, anchors.anchor_new_tokens,
-                plan.batch_size, out / "distillation.pt",
-            )  # fmt: skip
+        distillation = lwf_targets(model, tokenizer, plan, todo, out / "distillation.pt")
         self.factory = TrainerFactory(model, tokenizer, plan, self.items, distillation)
 
     def weights_path(self, arm) -> Path:
