@@ -138,7 +138,8 @@ class Probe:
         row["math/exact_match"], row["math/items"] = accuracy, len(self.math)
         row["math/exact_match_stderr"] = math.sqrt(accuracy * (1 - accuracy) / len(self.math))
         for domain in ("code", "safety"):
-            questions, references = [p for p, _ in eval_items(domain)], [a for _, a in eval_items(domain)]
+            items = eval_items(domain)
+            questions, references = [q for q, _ in items], [a for _, a in items]
             row[f"{domain}/log_lik"] = reference_log_likelihood(model, self.tokenizer, questions, references)
         safety = [p for p, _ in eval_items("safety")]
         row["safety/refusal_rate"] = refusal_rate(model, self.tokenizer, safety, self.plan.math_new_tokens * 2)

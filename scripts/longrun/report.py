@@ -96,6 +96,12 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     return "\n".join(lines)
 
 
+def run_path(row: dict, task: str, kl: str) -> list[tuple[float, float]]:
+    """(task progress, KL) along a run, ordered by progress: the base model at step 0, (0, 0), then every measured
+    point of its curve that has the task measure (SFT and DPO; GRPO's curve logs the training reward instead)."""
+    return sorted([(0.0, 0.0), *((p[task], p[kl]) for p in row.get("curve", []) if task in p)])
+
+
 def frontiers(
     rows: list[dict], plan: Plan, optimizer: str, seed: int, capability: str = "math"
 ) -> dict[str, list[tuple[float, float]]]:
@@ -117,11 +123,11 @@ def frontiers(
             points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"][kl]))
         if label == LABELS["wiseft"]:
             points.append((0.0, 0.0))
-    stopped = [(p[task], p[kl]) for r in unregularized for p in r.get("curve", []) if task in p]
-    if stopped:
-        curves[EARLY_STOPPING] = [(0.0, 0.0), *stopped]
     for points in curves.values():
         points.sort()
+    stopped = run_path(unregularized[0], task, kl) if unregularized else []
+    if len(stopped) > 1:
+        curves[EARLY_STOPPING] = stopped
     return dict(curves)
 
 
@@ -181,10 +187,7 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     for row in own:
         if row["arm"]["method"] == "unregularized":
             continue
-        values = []
-        for d in CAPABILITIES:
-            path = [(0.0, 0.0), *sorted((p[task], p[f"{d}/kl"]) for p in row["curve"])]
-            values += [kl_at(path, t) for t in targets]
+        values = [kl_at(run_path(row, task, f"{d}/kl"), t) for d in CAPABILITIES for t in targets]
         cells = [method_label(row["arm"], plan), f"{row['arm']['strength']:g}"]
         cells += [f"{v:.3g}" if v is not None else "n/a" for v in values]
         lines.append("| " + " | ".join(cells) + " |")

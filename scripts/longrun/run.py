@@ -6,8 +6,8 @@ A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measu
 `train_seconds` and `seconds_per_step` without the measuring time), `math_examples` (`Probe.math_examples`: the
 greedy answers to the first math problems), `curve` (`Probe.point` at every measured step, the last one at the end
 of the run), `history` (the trainer's logged loss, reward and KL terms per logging step) and `seconds` (the arm's
-wall time, measuring included). The unregularized run's final weights are kept in
-`<output_dir>/weights/` for its WiSE-FT points.
+wall time, measuring included). The unregularized run's final weights are kept in `<output_dir>/weights/` for its
+WiSE-FT points.
 """
 
 import json
