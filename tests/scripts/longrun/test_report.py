@@ -18,6 +18,11 @@ def row(optimizer, method, strength, gain, kl, anchor=None):
     return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": metrics}
 
 
+def cells(values):
+    """A table row's cells as `matched_table` writes them: three significant digits, "n/a" for None."""
+    return " | ".join("n/a" if v is None else f"{v:.3g}" for v in values)
+
+
 def test_task_curves_read_the_held_out_points_or_the_logged_reward():
     sft = {"curve": [{"step": 32, "task/sft_gain": 1.0}, {"step": 64, "task/sft_gain": 1.2}]}
     assert task_curve(sft, "sft") == [(32, 1.0), (64, 1.2)]
@@ -33,9 +38,9 @@ def test_kl_at_interpolates_linearly_between_bracketing_points_only():
 
 
 def test_the_matched_table_names_the_least_kl_at_each_share():
-    """Unregularized gain 2 at KL 8: targets 1.0 (50%) and 1.6 (80%). The KL penalty (1, 2), (1.5, 5) then the
-    unregularized end: 2.0 and 5 + 3 * 0.1 / 0.5 = 5.6 (80%: between (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5),
-    (1.8, 2.8): 0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3."""
+    """Unregularized gain 2 at KL 8: targets 0.4 (20%), 1.0 (50%) and 1.6 (80%). The KL penalty (1, 2), (1.5, 5)
+    then the unregularized end: n/a (below its strongest point), 2.0 and 5 + 3 * 0.1 / 0.5 = 5.6 (80%: between
+    (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5), (1.8, 2.8): n/a, 0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3."""
     rows = [
         row("sft", "unregularized", 0.0, 2.0, 8.0),
         row("sft", "kl", 3.0, 1.0, 2.0),
@@ -45,17 +50,19 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     ]
     table = matched_table(rows, EMBEDDED, "sft", 0)
     cfp_50, cfp_80 = 0.5 + 2.3 * 0.5 / 1.3, 0.5 + 2.3 * 1.1 / 1.3
-    kl_row = [2.0, 5.6, 4.0, 11.2, 6.0, 16.8]  # math, code, safety at 50% and 80%
-    cfp_row = [cfp_50, cfp_80, 2 * cfp_50, 2 * cfp_80, 3 * cfp_50, 3 * cfp_80]
-    assert "| KL penalty | " + " | ".join(f"{v:.3g}" for v in kl_row) + " |" in table
-    assert "| CFP diagonal | " + " | ".join(f"{v:.3g}" for v in cfp_row) + " |" in table
+    kl_row = [None, 2.0, 5.6, None, 4.0, 11.2, None, 6.0, 16.8]  # math, code, safety at 20%, 50% and 80%
+    cfp_row = [None, cfp_50, cfp_80, None, 2 * cfp_50, 2 * cfp_80, None, 3 * cfp_50, 3 * cfp_80]
+    assert "| KL penalty | " + cells(kl_row) + " |" in table
+    assert "| CFP diagonal | " + cells(cfp_row) + " |" in table
+    assert "- math at 20%" not in table
     assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
     assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
 
 
 def test_early_stopping_is_the_unregularized_runs_own_curve_from_the_base():
     """Unregularized gain 2 at KL 8, measured at (0.8, 2) and (2, 8) along the way: with the base at (0, 0), the
-    early-stopping KL at 50% (1.0) is 2 + 6 * 0.2 / 1.2 = 3 and at 80% (1.6) 2 + 6 * 0.8 / 1.2 = 6."""
+    early-stopping KL at 20% (0.4) is 2 * 0.4 / 0.8 = 1, at 50% (1.0) 2 + 6 * 0.2 / 1.2 = 3 and at 80% (1.6)
+    2 + 6 * 0.8 / 1.2 = 6."""
     unregularized = row("sft", "unregularized", 0.0, 2.0, 8.0)
     curve = [(0.8, 2.0), (2.0, 8.0)]
     unregularized["curve"] = [
@@ -63,16 +70,17 @@ def test_early_stopping_is_the_unregularized_runs_own_curve_from_the_base():
         for s, (g, k) in enumerate(curve, 1)
     ]
     table = matched_table([unregularized, row("sft", "kl", 0.3, 1.5, 5.0)], EMBEDDED, "sft", 0)
-    assert "| early stopping | 3 | 6 | 6 | 12 | 9 | 18 |" in table
+    assert "| early stopping | 1 | 3 | 6 | 2 | 6 | 12 | 3 | 9 | 18 |" in table
     grpo = row("grpo-pirate", "unregularized", 0.0, 0.1, 1.0)
     grpo["curve"] = [{"step": 1, "math/kl": 0.5, "code/kl": 1.0, "safety/kl": 1.5}]
     assert "early stopping" not in matched_table([grpo], EMBEDDED, "grpo-pirate", 0)
 
 
 def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
-    """Unregularized final gain 2: targets 1.0 and 1.6. The KL penalty measured at (0.5, 1) and (1.5, 2): 50% at
-    1 + 1 * 0.5 / 1 = 1.5; it never reaches 1.6 (n/a). CFP diagonal measured at (2, 0.4) only: from (0, 0), 0.2 and
-    0.32. Code and safety KL are twice and three times math's."""
+    """Unregularized final gain 2: targets 0.4, 1.0 and 1.6. The KL penalty measured at (0.5, 1) and (1.5, 2): 20%
+    at 1 * 0.4 / 0.5 = 0.8 (from the base at (0, 0)), 50% at 1 + 1 * 0.5 / 1 = 1.5; it never reaches 1.6 (n/a). CFP
+    diagonal measured at (2, 0.4) only: from (0, 0), 0.08, 0.2 and 0.32. Code and safety KL are twice and three
+    times math's."""
 
     def curve(points):
         return [
@@ -85,7 +93,7 @@ def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
     kl, cfp = row("sft", "kl", 0.3, 1.5, 2.5), row("sft", "cfp", 1.0, 2.0, 0.5, "math")
     kl["curve"], cfp["curve"] = curve([(1.5, 2.0), (0.5, 1.0)]), curve([(2.0, 0.4)])
     table = trajectory_table([unregularized, kl, cfp], EMBEDDED, "sft", 0)
-    assert "| KL penalty | 0.3 | 1.5 | n/a | 3 | n/a | 4.5 | n/a |" in table
-    assert "| CFP diagonal | 1 | 0.2 | 0.32 | 0.4 | 0.64 | 0.6 | 0.96 |" in table
+    assert "| KL penalty | 0.3 | 0.8 | 1.5 | n/a | 1.6 | 3 | n/a | 2.4 | 4.5 | n/a |" in table
+    assert "| CFP diagonal | 1 | 0.08 | 0.2 | 0.32 | 0.16 | 0.4 | 0.64 | 0.24 | 0.6 | 0.96 |" in table
     assert "unregularized" not in table
     assert trajectory_table([unregularized, kl], EMBEDDED, "grpo-pirate", 0) == ""
