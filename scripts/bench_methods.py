@@ -64,7 +64,7 @@ def timed_steps(plan: Plan, model, tokenizer, arms: list, rounds: int, anchors_d
     store.prepare({name for arm in arms for name in plan.anchors_of(arm)})
     items, _ = task_split(model, tokenizer, plan, cache / "task.jsonl")
     distillation = lwf_targets(model, tokenizer, plan, arms, cache / "distillation.pt")
-    factory = TrainerFactory(model, tokenizer, plan, items, distillation)
+    factory = TrainerFactory(model, tokenizer, plan, items, distillation, checkpoints=False)
     seconds: dict[str, list[float]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as scratch:
         for number in range(rounds):

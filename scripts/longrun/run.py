@@ -6,11 +6,14 @@ A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measu
 `train_seconds` and `seconds_per_step` without the measuring time), `math_examples` (`Probe.math_examples`: the
 greedy answers to the first math problems), `curve` (`Probe.point` at every measured step, the last one at the end
 of the run), `history` (the trainer's logged loss, reward and KL terms per logging step) and `seconds` (the arm's
-wall time, measuring included). The unregularized run's final weights are kept in `<output_dir>/weights/` for its
-WiSE-FT points.
+wall time, measuring included; for an arm resumed after an interruption, the segments kept). The unregularized
+run's final weights are kept in `<output_dir>/weights/` for its WiSE-FT points. An arm trains in
+`<output_dir>/runs/<key>`, checkpointed at every measured step, and resumes from there when the run is started
+again (`training.train_arm`); the directory is removed once the arm's row is written.
 """
 
 import json
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -27,7 +30,7 @@ from .baselines import Distillation, wise_ft
 from .data import generic_prompts, task_items
 from .measure import Probe, base_references
 from .plan import Plan
-from .training import TrainerFactory, train_arm
+from .training import TrainedArm, TrainerFactory, train_arm
 
 HISTORY_KEYS = ("step", "loss", "reward", "kl", "kl_penalty", "lwf_kl", "rewards/chosen", "rewards/margins")
 
@@ -80,30 +83,34 @@ class LongRun:
     def weights_path(self, arm) -> Path:
         return self.out / "weights" / f"{arm.optimizer}-seed{arm.seed}.pt"
 
+    def run_dir(self, arm) -> Path:
+        """Where the arm trains and keeps its checkpoints."""
+        return self.out / "runs" / arm.key.replace("/", "_")
+
     def run_arm(self, arm) -> dict:
         """One arm's row (module docstring)."""
         start = time.perf_counter()
         if arm.method == "wiseft":
             trained = torch.load(self.weights_path(arm), weights_only=True)
-            model, curve, timing, history = wise_ft(self.base_model, trained, arm.strength), [], {}, []
+            done = TrainedArm(wise_ft(self.base_model, trained, arm.strength))
         else:
             anchors = self.store.for_arm(self.plan.anchors_of(arm))
-            model, curve, timing, history = train_arm(arm, self.factory, anchors, self.probe, self.out / "runs")
+            done = train_arm(arm, self.factory, anchors, self.probe, self.run_dir(arm))
             if arm.method == "unregularized":
                 self.weights_path(arm).parent.mkdir(exist_ok=True)
-                torch.save(trained_weights(model), self.weights_path(arm))
-        metrics = {**self.probe.final(model, arm.optimizer), **timing}
-        logged = [{k: entry[k] for k in HISTORY_KEYS if k in entry} for entry in history if "loss" in entry]
+                torch.save(trained_weights(done.model), self.weights_path(arm))
+        metrics = {**self.probe.final(done.model, arm.optimizer), **done.timing}
+        logged = [{k: entry[k] for k in HISTORY_KEYS if k in entry} for entry in done.history if "loss" in entry]
         steps = 0 if arm.method == "wiseft" else self.plan.steps_of(arm.optimizer)
         return {
             "key": arm.key,
             "arm": asdict(arm),
             "steps": steps,
             "metrics": metrics,
-            "math_examples": self.probe.math_examples(model),
-            "curve": curve,
+            "math_examples": self.probe.math_examples(done.model),
+            "curve": done.curve,
             "history": logged,
-            "seconds": time.perf_counter() - start,
+            "seconds": time.perf_counter() - start + done.earlier_seconds,
         }
 
 
@@ -131,6 +138,7 @@ def run_long(plan: Plan, model_name: str, output_dir: str, anchors_dir: str | No
         bar.set_postfix_str(arm.key)
         done[arm.key] = run.run_arm(arm)
         append_row(results, done[arm.key])
+        shutil.rmtree(run.run_dir(arm), ignore_errors=True)
         metrics = done[arm.key]["metrics"]
         tqdm.write(f"{arm.key}: math kl {metrics['math/kl']:.4g}, {done[arm.key]['seconds']:.0f} s")
     return [done[key] for key in ["base", *(arm.key for arm in arms)]]

@@ -6,11 +6,18 @@ through `CFPCallback` with lam = c / p99 of the (full) anchor; the KL penalty as
 (`KLPenaltySFTTrainer` for SFT); LwF through `baselines.with_distillation`; LoRA through PEFT (CFP-KFAC on a LoRA
 model corrects B by the exact proximal step, `lora_rule="proximal_b"`). No drift is logged: the long run measures
 KL on held-out prompts instead.
+
+An arm is checkpointed at every measured step into its own directory; run again after an interruption, it resumes
+from the last checkpoint (the Trainer's exact resume: weights, optimizer, schedule, data order, RNG; CFPCallback's
+theta0; the curve measured so far) instead of starting over.
 """
 
 import copy
+import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from datasets import Dataset
 from evidence.controls import KLPenaltySFTTrainer
@@ -18,31 +25,55 @@ from evidence.plan import Arm, kfac_anchor_name, kfac_lam_anchor
 from evidence.rewards import REWARDS
 from evidence.training import lam_of, saved_reference
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
 from hf_cfp.anchor import FisherAnchor
 from hf_cfp.integrations import CFPCallback
+from hf_cfp.integrations.resume import checkpoint_dir
 from hf_cfp.loading.examples import sft_examples
 
 from .baselines import Distillation, lora_model, with_distillation
 from .measure import Probe
 from .plan import Plan, grpo_reward
 
+CURVE_STATE = "longrun_curve.json"  # in every checkpoint: CurveCallback's points and seconds so far
+
 
 class CurveCallback(TrainerCallback):
     """Measures `probe.point(model)` after the optimizer steps `steps` (after every other callback's correction:
-    list it last) into `points` as {"step": s, ...}; `measuring` adds up the seconds spent measuring."""
+    list it last) into `points` as {"step": s, ...}. Seconds, added up over every segment of a resumed arm:
+    `elapsed()` from the start of training, `overhead` of it spent measuring and checkpointing (from the end of a
+    step's callbacks to the end of the save's). Saves its state into every checkpoint (`CURVE_STATE`); `resume`
+    reads it back."""
 
     def __init__(self, probe: Probe, steps: list[int]):
         self.probe, self.steps = probe, set(steps)
         self.points: list[dict] = []
-        self.measuring = 0.0
+        self.overhead = self.earlier = 0.0  # earlier: the elapsed seconds of the segments before a resume
+        self._started = self._stepped = time.perf_counter()
+
+    def resume(self, checkpoint: Path) -> None:
+        state = json.loads((checkpoint / CURVE_STATE).read_text(encoding="utf-8"))
+        self.points, self.overhead, self.earlier = state["points"], state["overhead"], state["elapsed"]
+
+    def elapsed(self) -> float:
+        return self.earlier + time.perf_counter() - self._started
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._started = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
+        start = time.perf_counter()
         if state.global_step in self.steps:
-            start = time.perf_counter()
             self.points.append({"step": state.global_step, **self.probe.point(model)})
-            self.measuring += time.perf_counter() - start
+        self._stepped = time.perf_counter()
+        self.overhead += self._stepped - start
+
+    def on_save(self, args, state, control, **kwargs):
+        self.overhead += time.perf_counter() - self._stepped
+        saved = {"points": self.points, "overhead": self.overhead, "elapsed": self.elapsed()}
+        Path(checkpoint_dir(args, state), CURVE_STATE).write_text(json.dumps(saved), encoding="utf-8")
 
 
 def protection(arm: Arm, anchors: dict[str, FisherAnchor]) -> list[CFPCallback]:
@@ -57,17 +88,20 @@ def protection(arm: Arm, anchors: dict[str, FisherAnchor]) -> list[CFPCallback]:
     return []
 
 
-def _arguments(plan: Plan, arm: Arm, output_dir: Path, learning_rate: float) -> dict:
+def _arguments(plan: Plan, arm: Arm, output_dir: Path, learning_rate: float, checkpoints: bool) -> dict:
     batch = {"sft": plan.batch_size, "dpo": plan.dpo_batch_size}.get(arm.optimizer, plan.grpo_batch_size)
     steps = plan.steps_of(arm.optimizer)
+    every = max(1, steps // plan.points)
     return {
         "output_dir": str(output_dir),
         "max_steps": steps,
         "per_device_train_batch_size": batch,
         "learning_rate": learning_rate,
         "lr_scheduler_type": "constant",
-        "logging_steps": max(1, steps // plan.points),
-        "save_strategy": "no",
+        "logging_steps": every,
+        "save_strategy": "steps" if checkpoints else "no",  # at every measured step (module docstring)
+        "save_steps": every,
+        "save_total_limit": 1,
         "report_to": "none",
         "use_cpu": True,
         "seed": arm.seed,
@@ -76,11 +110,20 @@ def _arguments(plan: Plan, arm: Arm, output_dir: Path, learning_rate: float) -> 
 
 
 class TrainerFactory:
-    """Builds an arm's trainer on the task (`items`: the training prompts with their plain and pirate answers)."""
+    """Builds an arm's trainer on the task (`items`: the training prompts with their plain and pirate answers),
+    checkpointing at every measured step unless `checkpoints=False` (a benchmark's trainers)."""
 
-    def __init__(self, base_model, tokenizer, plan: Plan, items: list[dict], distillation: Distillation | None):
+    def __init__(
+        self,
+        base_model,
+        tokenizer,
+        plan: Plan,
+        items: list[dict],
+        distillation: Distillation | None,
+        checkpoints: bool = True,
+    ):
         self.base_model, self.tokenizer, self.plan = base_model, tokenizer, plan
-        self.items, self.distillation = items, distillation
+        self.items, self.distillation, self.checkpoints = items, distillation, checkpoints
 
     def _loss_extras(self, arm: Arm, trainer_class: type) -> tuple[type, dict]:
         if arm.method != "lwf":
@@ -94,7 +137,7 @@ class TrainerFactory:
         return rates.get(arm.optimizer, self.plan.grpo_learning_rate)
 
     def build(self, arm: Arm, model, callbacks: list, output_dir: Path):
-        args = _arguments(self.plan, arm, output_dir, self.learning_rate(arm))
+        args = _arguments(self.plan, arm, output_dir, self.learning_rate(arm), self.checkpoints)
         if arm.optimizer == "sft":
             return self._sft(arm, model, callbacks, args)
         if arm.optimizer == "dpo":
@@ -167,13 +210,28 @@ def prepared_trainer(arm: Arm, factory: TrainerFactory, anchors: dict, callbacks
     return trainer
 
 
-def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path):
-    """(trained model, curve points, {"train_seconds", "seconds_per_step"} without the measuring time, the
-    logged training history)."""
+@dataclass
+class TrainedArm:
+    """What an arm's training leaves: the model, its curve points, {"train_seconds", "seconds_per_step"} (without
+    measuring and checkpointing, over every segment), the logged history, and the seconds the segments before a
+    resume took (0 for an arm run whole)."""
+
+    model: Any
+    curve: list[dict] = field(default_factory=list)
+    timing: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    earlier_seconds: float = 0.0
+
+
+def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path) -> TrainedArm:
+    """Train the arm with its checkpoints in `output_dir` (its own), resuming from the last one found there."""
     curve = CurveCallback(probe, factory.plan.measured_steps(arm.optimizer))
     trainer = prepared_trainer(arm, factory, anchors, [curve], output_dir)
-    start = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - start - curve.measuring
+    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    if checkpoint is not None:
+        curve.resume(Path(checkpoint))
+        print(f"{arm.key}: resuming from {checkpoint}", flush=True)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    seconds = curve.elapsed() - curve.overhead
     timing = {"train_seconds": seconds, "seconds_per_step": seconds / factory.plan.steps_of(arm.optimizer)}
-    return trainer.model, curve.points, timing, trainer.state.log_history
+    return TrainedArm(trainer.model, curve.points, timing, trainer.state.log_history, curve.earlier)

@@ -2,7 +2,7 @@
 GRPO; every protection, LwF, WiSE-FT, LoRA) trains and is measured at every planned step, each row records its
 steps and the items behind every number, the tables and both plots are written, and a second call resumes
 without training again. Numbers checked: the base model's KL to itself is exactly 0; the unregularized SFT run
-learns its held-out task; WiSE-FT at a = 0.5 is measured without training."""
+learns its held-out task; WiSE-FT at a = 0.5 is measured without training; no arm's checkpoints are left behind."""
 
 import subprocess
 from pathlib import Path
@@ -57,6 +57,7 @@ def test_every_arm_is_measured_along_its_run_and_at_its_end(tiny_run):
     assert any("lwf_kl" in entry for entry in rows["sft/lwf[math]@1/seed0"]["history"])
     for name in ("long_run.md", "frontier.png", "curves.png", "task.jsonl", "references.pt", "distillation.pt"):
         assert (out / name).exists(), name
+    assert list((out / "runs").iterdir()) == []  # an arm's checkpoints go once its row is written
 
 
 def test_a_second_call_resumes_without_training(tiny_run):

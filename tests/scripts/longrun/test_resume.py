@@ -1,0 +1,74 @@
+"""An arm of the long run cut off mid-run (an exception after its second checkpoint, as a killed process leaves
+it) and started again resumes from its last checkpoint and ends where the same arm run whole ends: the same
+weights, the same curve at every measured step (the points before the cut read back, not measured twice), the
+same logged history. Checked on CFP-KFAC under SFT (CFPCallback's theta0 comes back from the checkpoint), LoRA
+with CFP-KFAC under DPO (the adapter) and GRPO (its sampling)."""
+
+import pytest
+import torch
+from support.extras import needs
+from transformers import TrainerCallback
+
+needs("trl", "datasets", "peft")
+
+from longrun.plan import TINY  # noqa: E402
+from longrun.run import LongRun  # noqa: E402
+from longrun.training import CURVE_STATE, CurveCallback, prepared_trainer, train_arm  # noqa: E402
+
+KEYS = ("sft/kfac[math]@1/seed0", "dpo/lora_kfac[math_t2]@1/seed0", "grpo-pirate/unregularized@0/seed0")
+
+
+class Interrupted(Exception):
+    pass
+
+
+class InterruptAfter(TrainerCallback):
+    """Raises at the start of the step after `step`, once that step's checkpoint is written."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise Interrupted
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("resume")
+    arms = [arm for arm in TINY.arms() if arm.key in KEYS]
+    return LongRun(TINY, "tiny", out, out / "anchors", arms), {arm.key: arm for arm in arms}
+
+
+def assert_same_points(resumed: list[dict], whole: list[dict]):
+    assert [p["step"] for p in resumed] == [p["step"] for p in whole]
+    for got, want in zip(resumed, whole, strict=True):
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_an_interrupted_arm_resumes_from_its_last_checkpoint_and_ends_as_the_whole_run(long_run, tmp_path, key):
+    run, arms = long_run
+    arm = arms[key]
+    anchors = run.store.for_arm(TINY.anchors_of(arm))
+    measured = TINY.measured_steps(arm.optimizer)
+    whole = train_arm(arm, run.factory, anchors, run.probe, tmp_path / "whole")
+
+    cut_at, cut = measured[1], tmp_path / "cut"
+    callbacks = [CurveCallback(run.probe, measured), InterruptAfter(cut_at)]
+    with pytest.raises(Interrupted):
+        prepared_trainer(arm, run.factory, anchors, callbacks, cut).train()
+    assert sorted(p.name for p in cut.glob("checkpoint-*")) == [f"checkpoint-{cut_at}"]  # save_total_limit=1
+    assert (cut / f"checkpoint-{cut_at}" / CURVE_STATE).exists()
+
+    resumed = train_arm(arm, run.factory, anchors, run.probe, cut)
+    assert resumed.earlier_seconds > 0  # the seconds before the cut are counted
+    assert [p["step"] for p in resumed.curve] == measured
+    assert_same_points(resumed.curve, whole.curve)
+    losses = [(e["step"], e["loss"]) for e in whole.history if "loss" in e]
+    assert [(e["step"], pytest.approx(e["loss"], rel=1e-4)) for e in resumed.history if "loss" in e] == losses
+    want = dict(whole.model.named_parameters())
+    for name, parameter in resumed.model.named_parameters():
+        torch.testing.assert_close(parameter, want[name], msg=name)
