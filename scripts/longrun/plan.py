@@ -10,7 +10,8 @@ capability; `brevity`, which overlaps them). Methods and their strength:
   beta); `lwf`: learning without forgetting, beta * KL(p0 || p_theta) on the math anchor's calibration sequences
   (`baselines.Distillation`); `isotropic`: the pull toward theta0 with F replaced by its mean (L2 toward the base),
   lam = c / p99(F_math); `cfp`: diagonal CFP [math], lam = c / p99(F_math); `kfac`: CFP-KFAC with the anchor
-  `math` (full rank) or the default truncation (`Plan.default_kfac`, `math_t256`), lam = c / p99 of the full anchor;
+  `math` (full rank) or the default truncation (`Plan.default_kfac`, `math_t256`), lam = c / p99 of the full anchor
+  (c: `Plan.cfp_strengths_of`, on DPO its own `dpo_cfp_strengths` where given);
 - `wiseft`: no training, theta0 + a (theta_T - theta0) of the unregularized run of the same optimizer and seed,
   a = strength; `lora`: LoRA r = `lora_rank` on the attention and MLP projections (0); `lora_kfac`: the same with
   CFP-KFAC [default truncation] at c = strength.
@@ -64,6 +65,7 @@ class Plan:
     isotropic_strengths: tuple[float, ...]
     cfp_strengths: tuple[float, ...]
     kfac_strengths: tuple[float, ...]
+    dpo_cfp_strengths: tuple[float, ...]  # c of diagonal and K-FAC CFP on DPO; empty: as on SFT and GRPO
     wiseft_alphas: tuple[float, ...]
     lora_rank: int
     lora_learning_rate: float
@@ -100,14 +102,21 @@ class Plan:
     def kl_betas(self, optimizer: str) -> tuple[float, ...]:
         return {"sft": self.sft_kl_betas, "dpo": self.dpo_kl_betas}.get(optimizer, self.grpo_kl_betas)
 
+    def cfp_strengths_of(self, optimizer: str, method: str) -> tuple[float, ...]:
+        """c of diagonal (`cfp`) or K-FAC (`kfac`) CFP on `optimizer`: `dpo_cfp_strengths` on DPO where given,
+        else `cfp_strengths` or `kfac_strengths`."""
+        if optimizer == "dpo" and self.dpo_cfp_strengths:
+            return self.dpo_cfp_strengths
+        return self.cfp_strengths if method == "cfp" else self.kfac_strengths
+
     def sweeps(self, optimizer: str) -> list[tuple[str, str | None, tuple[float, ...]]]:
         """(method, anchor, strengths) of every trained method but the unregularized run, in table order."""
         methods = [
             ("kl", None, self.kl_betas(optimizer)),
             ("isotropic", "math", self.isotropic_strengths),
-            ("cfp", "math", self.cfp_strengths),
-            ("kfac", "math", self.kfac_strengths),
-            ("kfac", self.default_kfac, self.kfac_strengths),
+            ("cfp", "math", self.cfp_strengths_of(optimizer, "cfp")),
+            ("kfac", "math", self.cfp_strengths_of(optimizer, "kfac")),
+            ("kfac", self.default_kfac, self.cfp_strengths_of(optimizer, "kfac")),
         ]
         if grpo_reward(optimizer) is None:
             methods += [
@@ -175,6 +184,7 @@ TINY = Plan(
     isotropic_strengths=(1.0,),
     cfp_strengths=(1.0, 10.0),
     kfac_strengths=(1.0,),
+    dpo_cfp_strengths=(),
     wiseft_alphas=(0.5,),
     lora_rank=4,
     lora_learning_rate=3e-3,
@@ -208,11 +218,14 @@ EMBEDDED = Plan(
     kl_samples=4,
     kl_new_tokens=32,
     sft_kl_betas=(0.3, 3.0),
-    dpo_kl_betas=(0.5, 2.5),
+    # On DPO the KL penalty and both CFP geometries at their first strength end below half the unregularized margin
+    # (21-34%): their second strengths are weaker, so that the sweep brackets the matched-progress targets.
+    dpo_kl_betas=(0.5, 0.2),
     lwf_betas=(1.0, 10.0),
     isotropic_strengths=(1.0, 0.1),  # c = 1 nearly stops the task: the second strength is weaker
     cfp_strengths=(1.0, 10.0),
     kfac_strengths=(1.0, 10.0),
+    dpo_cfp_strengths=(1.0, 0.1),
     wiseft_alphas=(0.25, 0.5, 0.75),
     lora_rank=16,
     lora_learning_rate=1e-4,

@@ -4,10 +4,11 @@
   KL, math exact match and the refusal rate, each with its 95% interval (1.96 standard errors), the scored items,
   the optimizer steps and the training seconds per step; the base model first.
 - Matched task progress, per optimizer: each method's KL of every capability at `MATCHED` shares of the
-  unregularized run's task progress, interpolated linearly between consecutive points of its frontier (its
-  strengths' final points and, as the weakest setting, the unregularized run; WiSE-FT: the base model, its mixing
-  weights and the finished run; early stopping: the unregularized run's measured points), ordered by task
-  progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
+  unregularized run's task progress, interpolated linearly between consecutive points of its frontier (the base
+  model at (0, 0) as the limit of infinite strength, then the points no other beats of its strengths' final points
+  and its zero strength: the unregularized run, for LoRA + CFP-KFAC LoRA alone; WiSE-FT: its mixing weights; LoRA
+  alone, which has no strength: its own point; early stopping: the unregularized run's measured points), ordered by
+  task progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
   method with the least KL is named, with the next best and its ratio to the best.
 - Along each run, per supervised optimizer (`trajectory_table`): each trained arm's KL where its own measured
   curve reaches those shares, as if it had been stopped there.
@@ -104,13 +105,25 @@ def run_path(row: dict, task: str, kl: str) -> list[tuple[float, float]]:
     return sorted([(0.0, 0.0), *((p[task], p[kl]) for p in row.get("curve", []) if task in p)])
 
 
+def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats, ordered by task progress: a point is dropped when another has at least its
+    progress at no more KL (the frontier a user can reach by picking a strength)."""
+    kept: list[tuple[float, float]] = []
+    for progress, kl in sorted(points, key=lambda p: (-p[0], p[1])):
+        if not kept or kl < kept[-1][1]:
+            kept.append((progress, kl))
+    return kept[::-1]
+
+
 def frontiers(
     rows: list[dict], plan: Plan, optimizer: str, seed: int, capability: str = "math"
 ) -> dict[str, list[tuple[float, float]]]:
-    """{method label: [(task progress, the capability's KL)] ordered by task progress}: its strengths' final points
-    and its weakest setting (the unregularized run; WiSE-FT also the base model at (0, 0)); and `EARLY_STOPPING`:
-    the unregularized run's own measured points (KL on the first response of each prompt) from the base model at
-    (0, 0), where its curve measures the task (SFT and DPO; GRPO's curve logs the training reward instead)."""
+    """{method label: [(task progress, the capability's KL)] ordered by task progress}: the base model at (0, 0)
+    (infinite strength), then the `lower_envelope` of its strengths' final points and its zero strength (the
+    unregularized run; for LoRA + CFP-KFAC, LoRA alone; LoRA alone, which has no strength, is its own point only);
+    and `EARLY_STOPPING`: the unregularized run's own measured points (KL on the first response of each prompt) from
+    the base model at (0, 0), where its curve measures the task (SFT and DPO; GRPO's curve logs the training reward
+    instead)."""
     kl = f"{capability}/kl"
     task = task_key(optimizer)
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and task in r["metrics"]]
@@ -120,13 +133,14 @@ def frontiers(
         if row["arm"]["method"] == "unregularized":
             continue
         curves[method_label(row["arm"], plan)].append((row["metrics"][task], row["metrics"][kl]))
+    lora = curves.get(LABELS["lora"], [])[:1]
+    unregularized_end = [(r["metrics"][task], r["metrics"][kl]) for r in unregularized[:1]]
     for label, points in curves.items():
-        if unregularized and not label.startswith("LoRA"):
-            points.append((unregularized[0]["metrics"][task], unregularized[0]["metrics"][kl]))
-        if label == LABELS["wiseft"]:
-            points.append((0.0, 0.0))
-    for points in curves.values():
-        points.sort()
+        if label != LABELS["lora"]:
+            curves[label] = [
+                (0.0, 0.0),
+                *lower_envelope([*points, *(lora if label.startswith("LoRA") else unregularized_end)]),
+            ]
     stopped = run_path(unregularized[0], task, kl) if unregularized else []
     if len(stopped) > 1:
         curves[EARLY_STOPPING] = stopped

@@ -64,6 +64,11 @@ def test_the_embedded_plan_runs_one_strength_of_everything_first():
     ]
     assert keys[12].startswith("dpo/unregularized") and keys[24] == "grpo-pirate/unregularized@0/seed0"
     assert keys[29] == f"grpo-pirate/kfac[{t256}]@1/seed0" and keys[30] == "sft/kl@3/seed0"
+    # DPO's second strengths are weaker than its first (the sweep must bracket half the unregularized margin)
+    assert {"sft/cfp[math]@10/seed0", f"sft/kfac[{t256}]@10/seed0", "grpo-pirate/kfac[math]@10/seed0"} <= set(keys)
+    assert {"dpo/kl@0.2/seed0", "dpo/cfp[math]@0.1/seed0", "dpo/kfac[math]@0.1/seed0"} <= set(keys)
+    assert f"dpo/kfac[{t256}]@0.1/seed0" in keys
+    assert not any(k.startswith(("dpo/cfp", "dpo/kfac")) and "@10/" in k for k in keys)
     grpo = [k for k in keys if k.startswith("grpo-")]
     assert len(grpo) == 2 * 2 * 11  # two rewards, two seeds: unregularized and 5 methods x 2 strengths
     assert not any("lwf" in k or "lora" in k or "wiseft" in k for k in grpo)

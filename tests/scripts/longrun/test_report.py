@@ -7,7 +7,7 @@ from support.extras import needs
 needs("trl", "datasets")
 
 from longrun.plan import EMBEDDED  # noqa: E402
-from longrun.report import kl_at, matched_table, task_curve, trajectory_table  # noqa: E402
+from longrun.report import kl_at, lower_envelope, matched_table, task_curve, trajectory_table  # noqa: E402
 
 
 def row(optimizer, method, strength, gain, kl, anchor=None):
@@ -37,24 +37,41 @@ def test_kl_at_interpolates_linearly_between_bracketing_points_only():
     assert kl_at(points, 2.5) is None and kl_at([(1.0, 2.0)], 0.5) is None
 
 
+def test_a_frontier_keeps_only_the_points_no_other_beats():
+    """(2, 6) beats (2, 8); (1.5, 1) beats (1, 2) and (0.5, 3). LwF at (2.1, 1) beats the unregularized end (2, 8),
+    so its frontier runs from the base straight to it: KL 1 * 0.4 / 2.1, 1 / 2.1 and 1.6 / 2.1 at the targets."""
+    assert lower_envelope([(1.0, 2.0), (2.0, 6.0), (1.5, 1.0), (2.0, 8.0), (0.5, 3.0)]) == [(1.5, 1.0), (2.0, 6.0)]
+    rows = [row("sft", "unregularized", 0.0, 2.0, 8.0), row("sft", "lwf", 1.0, 2.1, 1.0, "math")]
+    math = [0.4 / 2.1, 1.0 / 2.1, 1.6 / 2.1]
+    expected = [*math, *(2 * v for v in math), *(3 * v for v in math)]
+    assert "| LwF distillation | " + cells(expected) + " |" in matched_table(rows, EMBEDDED, "sft", 0)
+
+
 def test_the_matched_table_names_the_least_kl_at_each_share():
-    """Unregularized gain 2 at KL 8: targets 0.4 (20%), 1.0 (50%) and 1.6 (80%). The KL penalty (1, 2), (1.5, 5)
-    then the unregularized end: n/a (below its strongest point), 2.0 and 5 + 3 * 0.1 / 0.5 = 5.6 (80%: between
-    (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5), (1.8, 2.8): n/a, 0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3."""
+    """Unregularized gain 2 at KL 8: targets 0.4 (20%), 1.0 (50%) and 1.6 (80%). Every frontier starts at the base
+    model (0, 0). The KL penalty (1, 2), (1.5, 5) then the unregularized end: 2 * 0.4 = 0.8, 2.0 and
+    5 + 3 * 0.1 / 0.5 = 5.6 (80%: between (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5), (1.8, 2.8): 0.4,
+    0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3. LoRA alone at (1, 4) has no strength to sweep: n/a throughout.
+    LoRA + CFP-KFAC at (0.5, 1.5) runs to LoRA alone, its zero strength: 3 * 0.4 = 1.2, 4 (at LoRA's point), n/a."""
     rows = [
         row("sft", "unregularized", 0.0, 2.0, 8.0),
         row("sft", "kl", 3.0, 1.0, 2.0),
         row("sft", "kl", 0.3, 1.5, 5.0),
         row("sft", "cfp", 10.0, 0.5, 0.5, "math"),
         row("sft", "cfp", 1.0, 1.8, 2.8, "math"),
+        row("sft", "lora", 0.0, 1.0, 4.0),
+        row("sft", "lora_kfac", 1.0, 0.5, 1.5, "math_t256"),
     ]
     table = matched_table(rows, EMBEDDED, "sft", 0)
     cfp_50, cfp_80 = 0.5 + 2.3 * 0.5 / 1.3, 0.5 + 2.3 * 1.1 / 1.3
-    kl_row = [None, 2.0, 5.6, None, 4.0, 11.2, None, 6.0, 16.8]  # math, code, safety at 20%, 50% and 80%
-    cfp_row = [None, cfp_50, cfp_80, None, 2 * cfp_50, 2 * cfp_80, None, 3 * cfp_50, 3 * cfp_80]
+    kl_row = [0.8, 2.0, 5.6, 1.6, 4.0, 11.2, 2.4, 6.0, 16.8]  # math, code, safety at 20%, 50% and 80%
+    cfp_row = [0.4, cfp_50, cfp_80, 0.8, 2 * cfp_50, 2 * cfp_80, 1.2, 3 * cfp_50, 3 * cfp_80]
+    lora_kfac_row = [1.2, 4.0, None, 2.4, 8.0, None, 3.6, 12.0, None]
     assert "| KL penalty | " + cells(kl_row) + " |" in table
     assert "| CFP diagonal | " + cells(cfp_row) + " |" in table
-    assert "- math at 20%" not in table
+    assert "| LoRA | " + cells([None] * 9) + " |" in table
+    assert "| LoRA + CFP-KFAC t256 | " + cells(lora_kfac_row) + " |" in table
+    assert "- math at 20%: least KL CFP diagonal (0.4); next KL penalty (0.8, 2x)" in table
     assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
     assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
 
