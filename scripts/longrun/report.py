@@ -235,10 +235,25 @@ def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
     return [(point["step"], point[key]) for point in row["curve"]]
 
 
+def strength_rank(arm: dict, plan: Plan) -> int:
+    """The place of an arm's strength in its method's sweep (`Plan.sweeps`): 0 for the first strength and for the
+    methods without one (unregularized, WiSE-FT, LoRA alone), 1 for the second."""
+    for method, anchor, strengths in plan.sweeps(arm["optimizer"]):
+        if (method, anchor) == (arm["method"], arm.get("anchor")) and arm["strength"] in strengths:
+            return strengths.index(arm["strength"])
+    return 0
+
+
+def method_colours(labels: list[str]) -> dict[str, str]:
+    """One colour per method label in first-seen order, so that a method keeps its colour in every panel."""
+    palette = [f"C{i}" for i in range(10)] + ["black", "dimgray", "olive"]
+    return {label: palette[i % len(palette)] for i, label in enumerate(dict.fromkeys(labels))}
+
+
 def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
     """`frontier.png` (per optimizer and capability: task progress against its KL, one curve per method) and
-    `curves.png` (per optimizer: math KL and task progress at every measured step of the first seed's arms).
-    Returns the paths."""
+    `curves.png` (per optimizer: math KL and task progress at every measured step of the first seed's arms, a
+    method's first strength solid and its second dashed); a method has one colour in both. Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -247,32 +262,52 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
     optimizers = [o for o in plan.optimizers if _rows_of(rows, o)]
     if not optimizers:
         return []
-    shape = (len(CAPABILITIES), len(optimizers))
-    figure, axes = plt.subplots(*shape, figsize=(5 * len(optimizers), 4 * len(CAPABILITIES)), squeeze=False)
-    for column, optimizer in enumerate(optimizers):
-        seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
-        for axis, capability in zip(axes[:, column], CAPABILITIES, strict=True):
-            for label, points in frontiers(rows, plan, optimizer, seed, capability).items():
-                axis.plot([k for _, k in points], [g for g, _ in points], marker="o", label=label)
-            axis.set(xlabel=f"held-out {capability} KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
-    axes[0][0].legend(fontsize=7)
-    figure.tight_layout()
+    first_seed = {o: plan.seeds[0] if o in SUPERVISED else plan.grpo_seeds[0] for o in optimizers}
+    drawn = {(o, c): frontiers(rows, plan, o, first_seed[o], c) for o in optimizers for c in CAPABILITIES}
+    labels = [label for curves in drawn.values() for label in curves]
+    colours = method_colours([*labels, *(method_label(r["arm"], plan) for r in rows if "arm" in r)])
     paths = [out / "frontier.png", out / "curves.png"]
+    figure, axes = plt.subplots(
+        3, len(optimizers), figsize=(5 * len(optimizers), 12), squeeze=False, layout="constrained"
+    )
+    for column, optimizer in enumerate(optimizers):
+        for axis, capability in zip(axes[:, column], CAPABILITIES, strict=True):
+            for label, points in drawn[optimizer, capability].items():
+                xy = ([k for _, k in points], [g for g, _ in points])
+                axis.plot(*xy, marker="o", label=label, color=colours[label])
+            axis.set(xlabel=f"held-out {capability} KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
+    figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8)
     figure.savefig(paths[0], dpi=120)
-    figure, axes = plt.subplots(2, len(optimizers), figsize=(5 * len(optimizers), 7), squeeze=False)
+    figure, axes = plt.subplots(
+        2, len(optimizers), figsize=(5 * len(optimizers), 7), squeeze=False, layout="constrained"
+    )
     for column, optimizer in enumerate(optimizers):
         for row in _rows_of(rows, optimizer):
-            if not row.get("curve"):
+            if not row.get("curve") or row["arm"]["seed"] != first_seed[optimizer]:
                 continue
+            label = method_label(row["arm"], plan)
+            style = {"color": colours[label], "linestyle": ("-", "--", ":")[min(strength_rank(row["arm"], plan), 2)]}
             steps = [p["step"] for p in row["curve"]]
-            label = f"{method_label(row['arm'], plan)} {row['arm']['strength']:g}"
-            axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label)
-            axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label)
+            axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label, **style)
+            axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label, **style)
         axes[0][column].set(title=optimizer.upper(), ylabel="held-out math KL (nats)")
         progress = "training reward (logged mean)" if grpo_reward(optimizer) else "held-out task progress"
         axes[1][column].set(xlabel="optimizer step", ylabel=progress)
-    axes[0][0].legend(fontsize=6)
-    figure.tight_layout()
+    figure.legend(
+        *_unique_handles(axes),
+        loc="outside lower center",
+        ncols=6,
+        fontsize=8,
+        title="solid: first strength, dashed: second",
+    )
     figure.savefig(paths[1], dpi=120)
     plt.close("all")
     return paths
+
+
+def _unique_handles(axes) -> tuple[list, list[str]]:
+    """The legend entries of every panel, one per label."""
+    entries = {
+        label: handle for axis in axes.flat for handle, label in zip(*axis.get_legend_handles_labels(), strict=True)
+    }
+    return list(entries.values()), list(entries)

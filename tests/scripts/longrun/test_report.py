@@ -7,7 +7,15 @@ from support.extras import needs
 needs("trl", "datasets")
 
 from longrun.plan import EMBEDDED  # noqa: E402
-from longrun.report import kl_at, lower_envelope, matched_table, task_curve, trajectory_table  # noqa: E402
+from longrun.report import (  # noqa: E402
+    kl_at,
+    lower_envelope,
+    matched_table,
+    method_colours,
+    strength_rank,
+    task_curve,
+    trajectory_table,
+)
 
 
 def row(optimizer, method, strength, gain, kl, anchor=None):
@@ -114,3 +122,19 @@ def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
     assert "| CFP diagonal | 1 | 0.08 | 0.2 | 0.32 | 0.16 | 0.4 | 0.64 | 0.24 | 0.6 | 0.96 |" in table
     assert "unregularized" not in table
     assert trajectory_table([unregularized, kl], EMBEDDED, "grpo-pirate", 0) == ""
+
+
+def test_the_plots_draw_a_methods_strengths_in_one_colour_and_its_second_strength_dashed():
+    """EMBEDDED's SFT sweeps: KL penalty beta (0.3, 3), diagonal CFP c (1, 10); DPO CFP c (1, 0.1)."""
+    arm = row("sft", "kl", 3.0, 1.0, 1.0)["arm"]
+    assert strength_rank(arm, EMBEDDED) == 1
+    assert strength_rank({**arm, "strength": 0.3}, EMBEDDED) == 0
+    assert strength_rank({**arm, "method": "unregularized", "strength": 0.0}, EMBEDDED) == 0
+    dpo_cfp = {"optimizer": "dpo", "method": "cfp", "strength": 0.1, "seed": 0, "anchor": "math"}
+    assert strength_rank(dpo_cfp, EMBEDDED) == 1
+    assert method_colours(["KL penalty", "LoRA", "KL penalty", "WiSE-FT"]) == {
+        "KL penalty": "C0",
+        "LoRA": "C1",
+        "WiSE-FT": "C2",
+    }
+    assert len(set(method_colours([str(i) for i in range(12)]).values())) == 12
