@@ -9,7 +9,8 @@
   and its zero strength: the unregularized run, for LoRA + CFP-KFAC LoRA alone; WiSE-FT: its mixing weights; LoRA
   alone, which has no strength: its own point; early stopping: the unregularized run's measured points), ordered by
   task progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
-  method with the least KL is named, with the next best and its ratio to the best.
+  method with the least KL is named, with the next best and the best of the other kind (baseline or CFP), each as a
+  ratio to the least.
 - Along each run, per supervised optimizer (`trajectory_table`): each trained arm's KL where its own measured
   curve reaches those shares, as if it had been stopped there.
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
@@ -155,9 +156,27 @@ def kl_at(points: list[tuple[float, float]], progress: float) -> float | None:
     return None
 
 
+def least_kl_line(found: list[tuple[float, str]]) -> str:
+    """'least KL A (a); next B (b, b/a x); best baseline C (c, c/a x)' from (KL, method) pairs sorted by KL: the
+    runner-up, and the best method of the other kind (a baseline when a CFP method is least, else the best CFP
+    method) unless it is the runner-up. A ratio only where the least KL is above zero."""
+
+    def ratio(value: float) -> str:
+        return f", {value / best:{'.2g' if value < 100 * best else '.0f'}}x" if best > 0 else ""
+
+    (best, first), (runner_up, second) = found[:2]
+    line = f"least KL {first} ({best:.3g}); next {second} ({runner_up:.3g}{ratio(runner_up)})"
+    other = [(v, label) for v, label in found[1:] if ("CFP" in label) != ("CFP" in first)]
+    if other and other[0][1] != second:
+        kind = "baseline" if "CFP" in first else "CFP method"
+        line += f"; best {kind} {other[0][1]} ({other[0][0]:.3g}{ratio(other[0][0])})"
+    return line if best > 0 else line + " (the least is at or below zero: no ratio)"
+
+
 def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
     """Each method's KL of every capability at the `MATCHED` shares of the unregularized run's task progress
-    (module docstring), and per capability and share the method with the least KL, the next best and its ratio."""
+    (module docstring), and per capability and share the method with the least KL and how it compares
+    (`least_kl_line`)."""
     task = task_key(optimizer)
     unregularized = [
         r for r in _rows_of(rows, optimizer) if r["arm"]["method"] == "unregularized" and r["arm"]["seed"] == seed
@@ -178,12 +197,8 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
     for d in CAPABILITIES:
         for share, target in zip(MATCHED, targets, strict=True):
             found = sorted((v, label) for label, pts in curves[d].items() if (v := kl_at(pts, target)) is not None)
-            if len(found) >= 2 and found[0][0] > 0:
-                (best, first), (next_best, second) = found[:2]
-                lines.append(
-                    f"- {d} at {share:.0%}: least KL {first} ({best:.3g}); next {second} ({next_best:.3g}, "
-                    f"{next_best / best:.2g}x)"
-                )
+            if len(found) >= 2:
+                lines.append(f"- {d} at {share:.0%}: " + least_kl_line(found))
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ needs("trl", "datasets")
 from longrun.plan import EMBEDDED  # noqa: E402
 from longrun.report import (  # noqa: E402
     kl_at,
+    least_kl_line,
     lower_envelope,
     matched_table,
     method_colours,
@@ -138,3 +139,23 @@ def test_the_plots_draw_a_methods_strengths_in_one_colour_and_its_second_strengt
         "WiSE-FT": "C2",
     }
     assert len(set(method_colours([str(i) for i in range(12)]).values())) == 12
+
+
+def test_the_least_kl_line_compares_the_winner_with_the_runner_up_and_the_best_of_the_other_kind():
+    cfp_wins = [(0.02, "CFP-KFAC t256"), (0.03, "CFP-KFAC full rank"), (0.6, "LwF distillation"), (1.7, "WiSE-FT")]
+    assert least_kl_line(cfp_wins) == (
+        "least KL CFP-KFAC t256 (0.02); next CFP-KFAC full rank (0.03, 1.5x);"
+        " best baseline LwF distillation (0.6, 30x)"
+    )
+    baseline_wins = [(0.14, "LwF distillation"), (5.6, "WiSE-FT"), (9.8, "CFP-KFAC full rank"), (12.6, "CFP diagonal")]
+    assert least_kl_line(baseline_wins) == (
+        "least KL LwF distillation (0.14); next WiSE-FT (5.6, 40x); best CFP method CFP-KFAC full rank (9.8, 70x)"
+    )
+    runner_up_of_the_other_kind = [(0.4, "CFP diagonal"), (0.8, "KL penalty"), (1.2, "LoRA + CFP-KFAC t256")]
+    assert least_kl_line(runner_up_of_the_other_kind) == "least KL CFP diagonal (0.4); next KL penalty (0.8, 2x)"
+    assert least_kl_line([(0.01, "CFP diagonal"), (3.71, "KL penalty")]).endswith("(3.71, 371x)")
+    at_zero = [(-0.0006, "CFP-KFAC t256"), (0.0009, "CFP-KFAC full rank"), (0.0079, "LwF distillation")]
+    assert least_kl_line(at_zero) == (
+        "least KL CFP-KFAC t256 (-0.0006); next CFP-KFAC full rank (0.0009); best baseline LwF distillation (0.0079)"
+        " (the least is at or below zero: no ratio)"
+    )
