@@ -99,6 +99,97 @@ def bf16_fisher_error(steps: int, numel: int = 500_000) -> tuple[float, float]:
     return float((rounded - exact).norm() / exact.norm()), abs(sensitive[1] / sensitive[0] - 1)
 
 
+def bind_plans(model, anchor, numel: int):
+    """One `CFPState` per memory plan, and each plan's (beside, offloaded, measured on cuda) bytes per parameter."""
+    from hf_cfp.protection import CFPState, MemoryPlan
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    per_param: dict[str, tuple[float, float, float | None]] = {}
+    states = {}
+    for name, plan in PLANS.items():
+        allocated = torch.cuda.memory_allocated() if cuda else None
+        states[name] = CFPState(model, anchor, memory=MemoryPlan(**plan))
+        measured = (torch.cuda.memory_allocated() - allocated) / numel if allocated is not None else None
+        beside, offloaded = states[name].footprint()
+        per_param[name] = (beside / numel, offloaded / numel, measured)
+    return states, per_param
+
+
+def time_operations(model, states, anchor_name: str, lam: float, rounds: int, timed) -> dict[str, float]:
+    """Median seconds of the copy floor, an AdamW step and each plan's correction and metrics, interleaved over
+    `rounds` rounds after one warm-up round, beside the KL budget's solve pass and whole step (dense plan)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    copies = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    optimizer.step()  # allocates its state
+    live = [p.detach() for p in params]
+    rows: dict[str, list[float]] = {}
+    dense = states["dense"]
+    budget = 0.5 * dense.drift_metrics()[f"cfp/{anchor_name}/predicted_kl"]  # half the KL the AdamW steps made
+    for round_ in range(rounds + 1):
+        times = {"copy": timed(lambda: torch._foreach_copy_(live, copies)), "adamw": timed(optimizer.step)}
+        for name, state in states.items():
+            times[f"correction {name}"] = timed(lambda s=state: s.correct(lam))
+            times[f"metrics {name}"] = timed(state.drift_metrics)
+        # one evaluation of the KL budget's solve (replicated tensors here)
+        times["budget pass dense"] = timed(lambda: dense.diagonal.budget_terms([lam]))
+        times["budget step dense"] = timed(lambda: dense.correct(dense.budget_lams([budget])))
+        if round_:  # the first round warms up (and compiles the fused kernels)
+            for key, value in times.items():
+                rows.setdefault(key, []).append(value)
+    return {key: statistics.median(values) for key, values in rows.items()}
+
+
+def print_memory_and_timings(per_param, median: dict[str, float]) -> None:
+    print("\n| plan | beside the parameters (bytes/param) | offloaded to CPU | 7B projection beside | measured |")
+    print("|---|---|---|---|---|")
+    for name, (beside, offloaded, measured) in per_param.items():
+        gpu = f"{measured:.3f} (cuda allocated)" if measured is not None else "n/a on CPU"
+        projection = beside * PROJECTED_PARAMETERS / 1e9
+        print(f"| {name} | {beside:.3f} | {offloaded:.3f} | {projection:.1f} GB | {gpu} |")
+    print("\n| operation | median s | / copy | / AdamW step |")
+    print("|---|---|---|---|")
+    for key, value in median.items():
+        print(f"| {key} | {value:.4f} | {value / median['copy']:.2f} | {value / median['adamw']:.2f} |")
+
+
+def statistics_peak(threads: int) -> float:
+    """Peak resident set of `fisher_statistics` as a multiple of the anchor's size, measured in a fresh process."""
+    worker = subprocess.run(
+        [sys.executable, __file__, "--stats-worker", "--threads", str(threads)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    anchor_bytes, extra_peak, concentration_peak = (int(v) for v in worker.stdout.split()[-3:])
+    print(
+        f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB; peak resident set rises {extra_peak / 1e6:.0f} MB during "
+        f"fisher_statistics, {concentration_peak / 1e6:.0f} MB during concentration"
+    )
+    return (anchor_bytes + extra_peak) / anchor_bytes
+
+
+def bandwidth_floors(median: dict[str, float], numel: int) -> dict[str, float]:
+    """Each pass's floor in seconds: the bytes it must move per parameter at the copy's measured bandwidth.
+
+    Bytes per parameter (bf16): copy reads and writes it (2 + 2); the dense correction reads the parameter and
+    theta0 (2 + 2) and F (4; 2 with bf16 F) and writes the parameter (2); the sparse one, per kept coordinate, its
+    index (4), theta0 (2), F (4), and the parameter read and written (2 + 2)."""
+    moved = {"copy": 4, "correction dense": 10, "correction bf16f": 8, "correction sparse": 14 * 0.01}
+    bandwidth = 4 * numel / median["copy"]
+    floors = {k: b * numel / bandwidth for k, b in moved.items()}
+    print("\n| pass | bytes / param | floor s (at the copy's bandwidth) | measured / floor |\n|---|---|---|---|")
+    for key, seconds in floors.items():
+        print(f"| {key} | {moved[key]:g} | {seconds:.4f} | {median[key] / seconds:.2f} |")
+    print(
+        "BANDWIDTH "
+        + " ".join(f"{k.replace(' ', '_')}={b * numel / median[k] / 1e9:.1f}GB/s" for k, b in moved.items())
+    )
+    return floors
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
@@ -111,90 +202,23 @@ def main():
     if args.stats_worker:
         return stats_worker()
 
-    from hf_cfp.protection import CFPState, MemoryPlan
-
     device = torch.device(args.device)
-    timed = synchronized(device)
     model = smollm2_135m_shaped().to(device, torch.bfloat16)
     anchor = synthetic_anchor(model)
     lam = 1.0 / anchor.metadata["statistics"]["p99"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    numel = sum(p.numel() for p in params)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(f"{numel:,} parameters (bf16) on {device}, {args.threads} threads, lam = 1/p99 = {lam:.4g}")
 
-    per_param: dict[str, tuple[float, float, float | None]] = {}
-    states = {}
-    for name, plan in PLANS.items():
-        allocated = torch.cuda.memory_allocated() if device.type == "cuda" else None
-        states[name] = CFPState(model, anchor, memory=MemoryPlan(**plan))
-        measured = (torch.cuda.memory_allocated() - allocated) / numel if allocated is not None else None
-        beside, offloaded = states[name].footprint()
-        per_param[name] = (beside / numel, offloaded / numel, measured)
-
-    copies = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    optimizer = torch.optim.AdamW(params, lr=1e-4, foreach=True)
-    optimizer.step()  # allocates its state
-    live = [p.detach() for p in params]
-    rows: dict[str, list[float]] = {}
-    dense = states["dense"]
-    budget = 0.5 * dense.drift_metrics()[f"cfp/{anchor.name}/predicted_kl"]  # half the KL the AdamW steps made
-    for round_ in range(args.rounds + 1):
-        times = {"copy": timed(lambda: torch._foreach_copy_(live, copies)), "adamw": timed(optimizer.step)}
-        for name, state in states.items():
-            times[f"correction {name}"] = timed(lambda s=state: s.correct(lam))
-            times[f"metrics {name}"] = timed(state.drift_metrics)
-        # one evaluation of the KL budget's solve (replicated tensors here)
-        times["budget pass dense"] = timed(lambda: dense.diagonal.budget_terms([lam]))
-        times["budget step dense"] = timed(lambda: dense.correct(dense.budget_lams([budget])))
-        if round_:  # the first round warms up (and compiles the fused kernels)
-            for key, value in times.items():
-                rows.setdefault(key, []).append(value)
-    median = {key: statistics.median(values) for key, values in rows.items()}
-
-    print("\n| plan | beside the parameters (bytes/param) | offloaded to CPU | 7B projection beside | measured |")
-    print("|---|---|---|---|---|")
-    for name, (beside, offloaded, measured) in per_param.items():
-        gpu = f"{measured:.3f} (cuda allocated)" if measured is not None else "n/a on CPU"
-        projection = beside * PROJECTED_PARAMETERS / 1e9
-        print(f"| {name} | {beside:.3f} | {offloaded:.3f} | {projection:.1f} GB | {gpu} |")
-    print("\n| operation | median s | / copy | / AdamW step |")
-    print("|---|---|---|---|")
-    for key, value in median.items():
-        print(f"| {key} | {value:.4f} | {value / median['copy']:.2f} | {value / median['adamw']:.2f} |")
-
+    states, per_param = bind_plans(model, anchor, numel)
+    median = time_operations(model, states, anchor.name, lam, args.rounds, synchronized(device))
+    print_memory_and_timings(per_param, median)
     path_error, sensitive_error = bf16_fisher_error(args.steps)
     print(
         f"\nF in bf16 after {args.steps} steps: the path differs from float32 F's by {path_error:.2e} of its drift; "
         f"sum F Delta^2 by {sensitive_error:.2e} (relative)"
     )
-    worker = subprocess.run(
-        [sys.executable, __file__, "--stats-worker", "--threads", str(args.threads)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    anchor_bytes, extra_peak, concentration_peak = (int(v) for v in worker.stdout.split()[-3:])
-    stats_peak = (anchor_bytes + extra_peak) / anchor_bytes
-    print(
-        f"\nstatistics: anchor {anchor_bytes / 1e6:.0f} MB; peak resident set rises {extra_peak / 1e6:.0f} MB during "
-        f"fisher_statistics, {concentration_peak / 1e6:.0f} MB during concentration"
-    )
-    # Bytes each pass must move per parameter (bf16): copy reads and writes it (2 + 2); the dense correction reads
-    # the parameter and theta0 (2 + 2) and F (4; 2 with bf16 F) and writes the parameter (2); the sparse one, per
-    # kept coordinate, its index (4), theta0 (2), F (4), and the parameter read and written (2 + 2). The floor of
-    # a pass is its bytes at the copy's measured bandwidth.
-    moved = {"copy": 4, "correction dense": 10, "correction bf16f": 8, "correction sparse": 14 * 0.01}
-    bandwidth = 4 * numel / median["copy"]
-    floors = {k: b * numel / bandwidth for k, b in moved.items()}
-    print("\n| pass | bytes / param | floor s (at the copy's bandwidth) | measured / floor |\n|---|---|---|---|")
-    for key, seconds in floors.items():
-        print(f"| {key} | {moved[key]:g} | {seconds:.4f} | {median[key] / seconds:.2f} |")
-    print(
-        "BANDWIDTH "
-        + " ".join(f"{k.replace(' ', '_')}={b * numel / median[k] / 1e9:.1f}GB/s" for k, b in moved.items())
-    )
+    stats_peak = statistics_peak(args.threads)
+    floors = bandwidth_floors(median, numel)
     result = {
         "correction_vs_floor": median["correction dense"] / floors["correction dense"],
         "bf16f_correction_vs_floor": median["correction bf16f"] / floors["correction bf16f"],
