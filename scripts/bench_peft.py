@@ -64,6 +64,43 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+COLUMNS = ["step", *RULES, "+residual", "metrics"]
+LABELS = {"step": "step (fwd+bwd+AdamW)", "+residual": "proximal_b + residual", "metrics": "drift_metrics()"}
+
+
+def time_rounds(model, states, lam: float, batch: int, seq: int, rounds: int) -> dict[str, list[float]]:
+    """Per round after one warm-up round, the seconds of a LoRA step and of each rule's correction (undone after
+    timing), proximal_b with its residual measured, and the drift metrics."""
+    factors = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(factors, lr=1e-4)
+    ids = torch.randint(0, 49152, (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def corrected(rule: str, measure: bool = False):
+        saved = [p.detach().clone() for p in factors]
+        seconds = timed(lambda: states[rule].correct(lam, measure_residual=measure))
+        with torch.no_grad():
+            torch._foreach_copy_(factors, saved)
+        return seconds
+
+    times: dict[str, list[float]] = {c: [] for c in COLUMNS}
+    for round_ in range(rounds + 1):
+        row = {"step": timed(step)}
+        for rule in RULES:
+            row[rule] = corrected(rule)
+        row["+residual"] = corrected("proximal_b", measure=True)
+        row["metrics"] = timed(states["proximal_b"].drift_metrics)
+        if round_ > 0:  # round 0 warms up
+            for c in COLUMNS:
+                times[c].append(row[c])
+        print(f"round {round_}: " + " ".join(f"{c}={row[c]:.3f}s" for c in COLUMNS), flush=True)
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
@@ -82,57 +119,21 @@ def main():
     anchor = synthetic_anchor(base)
     lam = 1.0 / anchor.metadata["statistics"]["p99"]
     model = get_peft_model(base, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS))
-    factors = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(factors, lr=1e-4)
     states = {rule: CFPState(model, anchor, lora_rule=rule) for rule in RULES}
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 49152, (args.batch, args.seq), generator=g)
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    def corrected(rule: str, measure: bool = False):
-        saved = [p.detach().clone() for p in factors]
-
-        def run():
-            states[rule].correct(lam, measure_residual=measure)
-
-        seconds = timed(run)
-        with torch.no_grad():
-            torch._foreach_copy_(factors, saved)
-        return seconds
-
-    columns = ["step", *RULES, "+residual", "metrics"]
-    times: dict[str, list[float]] = {c: [] for c in columns}
-    for round_ in range(args.rounds + 1):
-        row = {"step": timed(step)}
-        for rule in RULES:
-            row[rule] = corrected(rule)
-        row["+residual"] = corrected("proximal_b", measure=True)
-        row["metrics"] = timed(states["proximal_b"].drift_metrics)
-        if round_ > 0:  # round 0 warms up
-            for c in columns:
-                times[c].append(row[c])
-        print(f"round {round_}: " + " ".join(f"{c}={row[c]:.3f}s" for c in columns), flush=True)
+    times = time_rounds(model, states, lam, args.batch, args.seq, args.rounds)
 
     adapted = len(states["proximal_b"].adapters.weights)
+    lora_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(
         f"\nSmolLM2-135M-shaped Llama (random weights), LoRA r={args.rank} on {', '.join(TARGETS)} "
-        f"({adapted} adapted weights, {sum(p.numel() for p in factors):,} LoRA parameters), "
+        f"({adapted} adapted weights, {lora_parameters:,} LoRA parameters), "
         f"batch {args.batch} x {args.seq} tokens, {args.threads} threads, lam = 1/p99 = {lam:.3g}; "
         f"medians of {args.rounds} rounds"
     )
     medians = {c: statistics.median(v) for c, v in times.items()}
     print(f"{'':>22} | {'median s':>9} | {'/ step':>7}")
-    labels = {
-        "step": "step (fwd+bwd+AdamW)",
-        "+residual": "proximal_b + residual",
-        "metrics": "drift_metrics()",
-    }
-    for c in columns:
-        print(f"{labels.get(c, c):>22} | {medians[c]:>9.3f} | {medians[c] / medians['step']:>7.3f}")
+    for c in COLUMNS:
+        print(f"{LABELS.get(c, c):>22} | {medians[c]:>9.3f} | {medians[c] / medians['step']:>7.3f}")
     print(
         "RESULT "
         f"peft_correction_vs_step={medians['proximal_b'] / medians['step']:.3g} "
