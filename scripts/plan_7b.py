@@ -260,14 +260,11 @@ def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
     )
 
 
-def report(name: str, args: argparse.Namespace) -> None:
-    model, n, r = load(name), args.ranks, args.kfac_rank
-    step_s = 6 * model.params * args.tokens_per_gpu / (args.mfu * args.bf16_tflops * 1e12)
-    ranked, full = model.weights(r), model.weights(None)
+def describe_layout(model, ranked, full, r: int) -> None:
+    """Which weights are factored, which keep a diagonal F, which are sketched at estimation, and the floats stored
+    per factored parameter at rank `r` and at full rank."""
     factored = sum(w.params for w in ranked)
     diagonal = sum(model.diagonal.values())
-    print(f"\n## {name}: {model.params / 1e9:.2f} B parameters on {n} GPUs")
-    print(f"bf16 training step (6 P x {args.tokens_per_gpu} tokens per GPU at {args.mfu:.0%} MFU): {step_s:.2f} s")
     wide = sorted(
         {
             f"{w.name.split('.')[-2]} {which} ({dim})"
@@ -289,6 +286,16 @@ def report(name: str, args: argparse.Namespace) -> None:
         f"diagonal F). Stored at rank {r}: {sum(w.stored_floats() for w in ranked) / factored:.4f} floats per "
         f"factored parameter (kfac_rank=None: {sum(w.stored_floats() for w in full) / factored:.2f})\n"
     )
+
+
+def report(name: str, args: argparse.Namespace) -> None:
+    model, n, r = load(name), args.ranks, args.kfac_rank
+    step_s = 6 * model.params * args.tokens_per_gpu / (args.mfu * args.bf16_tflops * 1e12)
+    ranked, full = model.weights(r), model.weights(None)
+    factored = sum(w.params for w in ranked)
+    print(f"\n## {name}: {model.params / 1e9:.2f} B parameters on {n} GPUs")
+    print(f"bf16 training step (6 P x {args.tokens_per_gpu} tokens per GPU at {args.mfu:.0%} MFU): {step_s:.2f} s")
+    describe_layout(model, ranked, full, r)
     print(
         "| plan | theta0 | bases | diagonal F | CFP bytes per rank | temporaries | correction FLOPs | HBM traffic "
         "| communicated per rank | time per step | / training step |"
