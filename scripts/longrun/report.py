@@ -162,7 +162,7 @@ def least_kl_line(found: list[tuple[float, str]]) -> str:
     method) unless it is the runner-up. A ratio only where the least KL is above zero."""
 
     def ratio(value: float) -> str:
-        return f", {value / best:{'.2g' if value < 100 * best else '.0f'}}x" if best > 0 else ""
+        return f", {value / best:{'.1f' if value < 10 * best else '.0f'}}x" if best > 0 else ""
 
     (best, first), (runner_up, second) = found[:2]
     line = f"least KL {first} ({best:.3g}); next {second} ({runner_up:.3g}{ratio(runner_up)})"

@@ -80,8 +80,8 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     assert "| CFP diagonal | " + cells(cfp_row) + " |" in table
     assert "| LoRA | " + cells([None] * 9) + " |" in table
     assert "| LoRA + CFP-KFAC t256 | " + cells(lora_kfac_row) + " |" in table
-    assert "- math at 20%: least KL CFP diagonal (0.4); next KL penalty (0.8, 2x)" in table
-    assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.2g}x)" in table
+    assert "- math at 20%: least KL CFP diagonal (0.4); next KL penalty (0.8, 2.0x)" in table
+    assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.1f}x)" in table
     assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
 
 
@@ -152,8 +152,9 @@ def test_the_least_kl_line_compares_the_winner_with_the_runner_up_and_the_best_o
         "least KL LwF distillation (0.14); next WiSE-FT (5.6, 40x); best CFP method CFP-KFAC full rank (9.8, 70x)"
     )
     runner_up_of_the_other_kind = [(0.4, "CFP diagonal"), (0.8, "KL penalty"), (1.2, "LoRA + CFP-KFAC t256")]
-    assert least_kl_line(runner_up_of_the_other_kind) == "least KL CFP diagonal (0.4); next KL penalty (0.8, 2x)"
+    assert least_kl_line(runner_up_of_the_other_kind) == "least KL CFP diagonal (0.4); next KL penalty (0.8, 2.0x)"
     assert least_kl_line([(0.01, "CFP diagonal"), (3.71, "KL penalty")]).endswith("(3.71, 371x)")
+    assert least_kl_line([(5.68, "CFP-KFAC t256"), (5.77, "KL penalty")]).endswith("(5.77, 1.0x)")
     at_zero = [(-0.0006, "CFP-KFAC t256"), (0.0009, "CFP-KFAC full rank"), (0.0079, "LwF distillation")]
     assert least_kl_line(at_zero) == (
         "least KL CFP-KFAC t256 (-0.0006); next CFP-KFAC full rank (0.0009); best baseline LwF distillation (0.0079)"
