@@ -30,7 +30,8 @@ COLUMNS = ["step", "fixed lam", "new lam", "budget"]
 
 @contextlib.contextmanager
 def counting_budget_passes():
-    """Count the solve's passes over the parameters while inside: a list with one counter per `new_count()`.
+    """Count the solve's passes over the parameters while inside: yields a list whose last entry counts (the caller
+    appends a 0 to start each count).
 
     Each evaluation of the solve makes 2 passes (the replicated and the sharded part, the latter empty here)."""
     from hf_cfp.protection import diagonal as diagonal_module
