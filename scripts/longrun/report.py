@@ -11,8 +11,9 @@
   task progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
   method with the least KL is named, with the next best and the best of the other kind (baseline or CFP), each as a
   ratio to the least.
-- Along each run, per supervised optimizer (`trajectory_table`): each trained arm's KL where its own measured
-  curve reaches those shares, as if it had been stopped there.
+- Along each run, per optimizer (`trajectory_table`): each trained arm's KL where its own measured curve reaches
+  those shares, as if it had been stopped there (GRPO: shares of the unregularized run's last logged training
+  reward).
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
   one curve per method) and the curves over steps (math KL and task progress at every measured step, one line per
   arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`).
@@ -100,10 +101,11 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     return "\n".join(lines)
 
 
-def run_path(row: dict, task: str, kl: str) -> list[tuple[float, float]]:
+def run_path(row: dict, optimizer: str, kl: str) -> list[tuple[float, float]]:
     """(task progress, KL) along a run, ordered by progress: the base model at step 0, (0, 0), then every measured
-    point of its curve that has the task measure (SFT and DPO; GRPO's curve logs the training reward instead)."""
-    return sorted([(0.0, 0.0), *((p[task], p[kl]) for p in row.get("curve", []) if task in p)])
+    point of its curve, its progress as `task_curve` reads it at that step (GRPO: the logged training reward)."""
+    progress = dict(task_curve(row, optimizer))
+    return sorted([(0.0, 0.0), *((progress[p["step"]], p[kl]) for p in row.get("curve", []) if p["step"] in progress)])
 
 
 def lower_envelope(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -142,7 +144,7 @@ def frontiers(
                 (0.0, 0.0),
                 *lower_envelope([*points, *(lora if label.startswith("LoRA") else unregularized_end)]),
             ]
-    stopped = run_path(unregularized[0], task, kl) if unregularized else []
+    stopped = run_path(unregularized[0], optimizer, kl) if unregularized and not grpo_reward(optimizer) else []
     if len(stopped) > 1:
         curves[EARLY_STOPPING] = stopped
     return dict(curves)
@@ -205,20 +207,24 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
 def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
     """Each trained arm's KL of every capability at the step where its own curve reaches the `MATCHED` shares of
     the unregularized run's final task progress: linear between its measured points, from the base model at step 0
-    (0, 0); "n/a" where the arm never reaches that progress. SFT and DPO only (GRPO's curve logs the training
-    reward); the unregularized run's row is the matched table's early stopping."""
-    task = task_key(optimizer)
+    (0, 0); "n/a" where the arm never reaches that progress. Progress as `task_curve` reads it: under GRPO the
+    logged training reward, its targets shares of the unregularized run's last logged reward (the held-out reward
+    is measured at the end only). The unregularized run's own row is the matched table's early stopping."""
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and r.get("curve")]
     unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
-    if grpo_reward(optimizer) or not unregularized:
+    if not unregularized:
         return ""
-    targets = [share * unregularized[0]["metrics"][task] for share in MATCHED]
-    heads = [f"{d} KL at {share:.0%}" for d in CAPABILITIES for share in MATCHED]
+    logged = task_curve(unregularized[0], optimizer)
+    full = logged[-1][1] if grpo_reward(optimizer) else unregularized[0]["metrics"][task_key(optimizer)]
+    targets = [share * full for share in MATCHED]
+    heads = [
+        f"{d} KL at {share:.0%} ({t:.3g})" for d in CAPABILITIES for share, t in zip(MATCHED, targets, strict=True)
+    ]
     lines = ["| arm | strength | " + " | ".join(heads) + " |", "|---|---|" + "---|" * len(heads)]
     for row in own:
         if row["arm"]["method"] == "unregularized":
             continue
-        values = [kl_at(run_path(row, task, f"{d}/kl"), t) for d in CAPABILITIES for t in targets]
+        values = [kl_at(run_path(row, optimizer, f"{d}/kl"), t) for d in CAPABILITIES for t in targets]
         cells = [method_label(row["arm"], plan), f"{row['arm']['strength']:g}"]
         cells += [f"{v:.3g}" if v is not None else "n/a" for v in values]
         lines.append("| " + " | ".join(cells) + " |")
@@ -247,7 +253,7 @@ def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
     if grpo_reward(optimizer):
         return [(entry["step"], entry["reward"]) for entry in row.get("history", []) if "reward" in entry]
     key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
-    return [(point["step"], point[key]) for point in row["curve"]]
+    return [(point["step"], point[key]) for point in row.get("curve", [])]
 
 
 def strength_rank(arm: dict, plan: Plan) -> int:

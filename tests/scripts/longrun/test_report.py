@@ -125,6 +125,30 @@ def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
     assert trajectory_table([unregularized, kl], EMBEDDED, "grpo-pirate", 0) == ""
 
 
+def test_along_each_grpo_run_the_progress_is_the_logged_reward_at_each_measured_step():
+    """The unregularized run's last logged reward is 1.0: targets 0.2, 0.5, 0.8. The KL penalty logs reward 0.1 at
+    step 8 and 0.5 at step 16, where its math KL is 1 and 3 (its step-12 point has no logged reward and is not
+    used): 20% at 1 + 2 * (0.2 - 0.1) / 0.4 = 1.5, 50% at 3, never 80%."""
+
+    def grpo(method, strength, rewards, kls):
+        arm = row("grpo-pirate", method, strength, rewards[-1], kls[-1])
+        arm["history"] = [{"step": s, "loss": 0.0, "reward": r} for s, r in zip((8, 16), rewards, strict=True)]
+        arm["curve"] = [
+            {"step": s, "math/kl": k, "code/kl": 2 * k, "safety/kl": 3 * k}
+            for s, k in zip((8, 12, 16), (kls[0], 100.0, kls[1]), strict=True)
+        ]
+        return arm
+
+    table = trajectory_table(
+        [grpo("unregularized", 0.0, (0.2, 1.0), (5.0, 9.0)), grpo("kl", 0.05, (0.1, 0.5), (1.0, 3.0))],
+        EMBEDDED,
+        "grpo-pirate",
+        0,
+    )
+    assert "math KL at 20% (0.2) | math KL at 50% (0.5) | math KL at 80% (0.8)" in table
+    assert "| KL penalty | 0.05 | 1.5 | 3 | n/a | 3 | 6 | n/a | 4.5 | 9 | n/a |" in table
+
+
 def test_the_plots_draw_a_methods_strengths_in_one_colour_and_its_second_strength_dashed():
     """EMBEDDED's SFT sweeps: KL penalty beta (0.3, 3), diagonal CFP c (1, 10); DPO CFP c (1, 0.1)."""
     arm = row("sft", "kl", 3.0, 1.0, 1.0)["arm"]
