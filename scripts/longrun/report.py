@@ -16,7 +16,8 @@
   reward).
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
   one curve per method) and the curves over steps (math KL and task progress at every measured step, one line per
-  arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`).
+  arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`); KL axes are linear below
+  `LINEAR_BELOW` nats and logarithmic above.
 """
 
 import math
@@ -39,6 +40,10 @@ LABELS = {
     "lora": "LoRA",
 }
 EARLY_STOPPING = "early stopping"
+# The plots' KL axes are linear below this many nats and logarithmic above, so that a method within a tenth of a
+# nat of the base and an unregularized run hundreds of nats away are both readable.
+LINEAR_BELOW = 0.1
+SYMLOG = f"symlog, linear to {LINEAR_BELOW:g}"
 MISSING = "—"
 
 
@@ -296,7 +301,12 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
             for label, points in drawn[optimizer, capability].items():
                 xy = ([k for _, k in points], [g for g, _ in points])
                 axis.plot(*xy, marker="o", label=label, color=colours[label])
-            axis.set(xlabel=f"held-out {capability} KL (nats)", ylabel=task_key(optimizer), title=optimizer.upper())
+            axis.set(
+                xlabel=f"held-out {capability} KL (nats, {SYMLOG})",
+                ylabel=task_key(optimizer),
+                title=optimizer.upper(),
+            )
+            axis.set_xscale("symlog", linthresh=LINEAR_BELOW)
     figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8)
     figure.savefig(paths[0], dpi=120)
     figure, axes = plt.subplots(
@@ -311,7 +321,8 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
             steps = [p["step"] for p in row["curve"]]
             axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label, **style)
             axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label, **style)
-        axes[0][column].set(title=optimizer.upper(), ylabel="held-out math KL (nats)")
+        axes[0][column].set(title=optimizer.upper(), ylabel=f"held-out math KL\n(nats, {SYMLOG})")
+        axes[0][column].set_yscale("symlog", linthresh=LINEAR_BELOW)
         progress = "training reward (logged mean)" if grpo_reward(optimizer) else "held-out task progress"
         axes[1][column].set(xlabel="optimizer step", ylabel=progress)
     figure.legend(
