@@ -82,19 +82,20 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     """The final table of one optimizer (module docstring)."""
     task = task_key(optimizer)
     header = (
-        f"| arm | strength | steps | {task} | math KL | code KL | safety KL | math exact match | refusal rate "
-        "| s/step |\n|---|---|---|---|---|---|---|---|---|---|"
+        f"| arm | strength | seed | steps | {task} | math KL | code KL | safety KL | math exact match | refusal rate "
+        "| s/step |\n|---|---|---|---|---|---|---|---|---|---|---|"
     )
     base = next((r for r in rows if r["key"] == "base"), None)
     lines = [header]
     for row in ([base] if base else []) + _rows_of(rows, optimizer):
         m = row["metrics"]
         label = "base model" if row["key"] == "base" else method_label(row["arm"], plan)
-        strength = "" if row["key"] == "base" else f"{row['arm']['strength']:g}"
+        strength, seed = ("", "") if row["key"] == "base" else (f"{row['arm']['strength']:g}", str(row["arm"]["seed"]))
         seconds = m.get("seconds_per_step")
         cells = [
             label,
             strength,
+            seed,
             str(row.get("steps", "")),
             _interval(m, task) if task in m else MISSING,
             *(_interval(m, f"{d}/kl") for d in ("math", "code", "safety")),
@@ -237,17 +238,21 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
 
 
 def markdown_report(rows: list[dict], plan: Plan) -> str:
-    """Every table, per optimizer that has rows (the first seed for the matched comparison)."""
+    """Every table, per optimizer that has rows: the final table, then the matched comparisons of each seed with
+    an arm beside its unregularized run."""
     parts = ["# Long run", ""]
     for optimizer in plan.optimizers:
-        if not _rows_of(rows, optimizer):
+        own = _rows_of(rows, optimizer)
+        if not own:
             continue
-        seed = plan.seeds[0] if optimizer in SUPERVISED else plan.grpo_seeds[0]
         parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
-        parts += [f"### At matched task progress (seed {seed})", "", matched_table(rows, plan, optimizer, seed), ""]
-        along = trajectory_table(rows, plan, optimizer, seed)
-        if along:
-            parts += [f"### At matched task progress along each run (seed {seed})", "", along, ""]
+        seeds = [r["arm"]["seed"] for r in own]
+        for seed in sorted(s for s in set(seeds) if seeds.count(s) > 1):
+            matched = matched_table(rows, plan, optimizer, seed)
+            parts += [f"### At matched task progress (seed {seed})", "", matched, ""]
+            along = trajectory_table(rows, plan, optimizer, seed)
+            if along:
+                parts += [f"### At matched task progress along each run (seed {seed})", "", along, ""]
     return "\n".join(parts)
 
 

@@ -11,6 +11,7 @@ from longrun.report import (  # noqa: E402
     kl_at,
     least_kl_line,
     lower_envelope,
+    markdown_report,
     matched_table,
     method_colours,
     strength_rank,
@@ -184,3 +185,15 @@ def test_the_least_kl_line_compares_the_winner_with_the_runner_up_and_the_best_o
         "least KL CFP-KFAC t256 (-0.0006); next CFP-KFAC full rank (0.0009); best baseline LwF distillation (0.0079)"
         " (the least is at or below zero: no ratio)"
     )
+
+
+def test_the_report_gives_each_rows_seed_and_compares_a_seed_once_it_has_an_arm_beside_its_unregularized_run():
+    """Seed 0 has the unregularized run and the KL penalty; seed 1 only its unregularized run so far."""
+    rows = [row("grpo-pirate", "unregularized", 0.0, 1.0, 9.0), row("grpo-pirate", "kl", 0.05, 0.5, 2.0)]
+    later = row("grpo-pirate", "unregularized", 0.0, 0.8, 7.0)
+    later["arm"]["seed"] = 1
+    report = markdown_report([*rows, later], EMBEDDED)
+    assert "| KL penalty | 0.05 | 0 | " in report
+    assert "| unregularized | 0 | 1 | " in report
+    assert "### At matched task progress (seed 0)" in report
+    assert "(seed 1)" not in report
