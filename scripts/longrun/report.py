@@ -306,20 +306,24 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
             for label, points in drawn[optimizer, capability].items():
                 xy = ([k for _, k in points], [g for g, _ in points])
                 axis.plot(*xy, marker="o", label=label, color=colours[label])
-            axis.set(
-                xlabel=f"held-out {capability} KL (nats, {SYMLOG})",
-                ylabel=task_key(optimizer),
-                title=optimizer.upper(),
-            )
+            axis.set(xlabel=f"held-out {capability} KL (nats, {SYMLOG})", ylabel=task_key(optimizer))
+            axis.set_title(optimizer.upper())
             axis.set_xscale("symlog", linthresh=LINEAR_BELOW)
     figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8)
     figure.savefig(paths[0], dpi=120)
-    figure, axes = plt.subplots(
-        2, len(optimizers), figsize=(5 * len(optimizers), 7), squeeze=False, layout="constrained"
-    )
-    for column, optimizer in enumerate(optimizers):
+    _plot_curves(rows, plan, {o: first_seed[o] for o in optimizers}, colours).savefig(paths[1], dpi=120)
+    plt.close("all")
+    return paths
+
+
+def _plot_curves(rows: list[dict], plan: Plan, seeds: dict[str, int], colours: dict[str, str]):
+    """The `curves.png` figure of `plot_report`: one column per optimizer in `seeds`, the arms of its seed."""
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, len(seeds), figsize=(5 * len(seeds), 7), squeeze=False, layout="constrained")
+    for column, (optimizer, seed) in enumerate(seeds.items()):
         for row in _rows_of(rows, optimizer):
-            if not row.get("curve") or row["arm"]["seed"] != first_seed[optimizer]:
+            if not row.get("curve") or row["arm"]["seed"] != seed:
                 continue
             label = method_label(row["arm"], plan)
             style = {"color": colours[label], "linestyle": ("-", "--", ":")[min(strength_rank(row["arm"], plan), 2)]}
@@ -330,16 +334,9 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
         axes[0][column].set_yscale("symlog", linthresh=LINEAR_BELOW)
         progress = "training reward (logged mean)" if grpo_reward(optimizer) else "held-out task progress"
         axes[1][column].set(xlabel="optimizer step", ylabel=progress)
-    figure.legend(
-        *_unique_handles(axes),
-        loc="outside lower center",
-        ncols=6,
-        fontsize=8,
-        title="solid: first strength, dashed: second",
-    )
-    figure.savefig(paths[1], dpi=120)
-    plt.close("all")
-    return paths
+    legend = "solid: first strength, dashed: second"
+    figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8, title=legend)
+    return figure
 
 
 def _unique_handles(axes) -> tuple[list, list[str]]:
