@@ -21,7 +21,7 @@
 """
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from .plan import SUPERVISED, Plan, grpo_reward
@@ -220,8 +220,12 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
     if not unregularized:
         return ""
-    logged = task_curve(unregularized[0], optimizer)
-    full = logged[-1][1] if grpo_reward(optimizer) else unregularized[0]["metrics"][task_key(optimizer)]
+    reference = unregularized[0]
+    full = (
+        task_curve(reference, optimizer)[-1][1]
+        if grpo_reward(optimizer)
+        else reference["metrics"][task_key(optimizer)]
+    )
     targets = [share * full for share in MATCHED]
     heads = [
         f"{d} KL at {share:.0%} ({t:.3g})" for d in CAPABILITIES for share, t in zip(MATCHED, targets, strict=True)
@@ -246,8 +250,8 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
         if not own:
             continue
         parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
-        seeds = [r["arm"]["seed"] for r in own]
-        for seed in sorted(s for s in set(seeds) if seeds.count(s) > 1):
+        arms_per_seed = Counter(r["arm"]["seed"] for r in own)
+        for seed in sorted(seed for seed, arms in arms_per_seed.items() if arms > 1):
             matched = matched_table(rows, plan, optimizer, seed)
             parts += [f"### At matched task progress (seed {seed})", "", matched, ""]
             along = trajectory_table(rows, plan, optimizer, seed)
