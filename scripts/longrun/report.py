@@ -8,9 +8,10 @@
   model at (0, 0) as the limit of infinite strength, then the points no other beats of its strengths' final points
   and its zero strength: the unregularized run, for LoRA + CFP-KFAC LoRA alone; WiSE-FT: its mixing weights; LoRA
   alone, which has no strength: its own point; early stopping: the unregularized run's measured points), ordered by
-  task progress; "n/a" where its points do not reach that progress (never extrapolated). Per capability and target, the
-  method with the least KL is named, with the next best and the best of the other kind (baseline or CFP), each as a
-  ratio to the least.
+  task progress; "n/a" where its points do not reach that progress (never extrapolated). A value past every task
+  progress the method's own arms reached, which rests on the line to its zero strength alone, is marked `BEYOND`.
+  Per capability and target, the method with the least KL is named, with the next best and the best of the other
+  kind (baseline or CFP), each as a ratio to the least.
 - Along each run, per optimizer (`trajectory_table`): each trained arm's KL where its own measured curve reaches
   those shares, as if it had been stopped there (GRPO: shares of the unregularized run's last logged training
   reward).
@@ -40,6 +41,12 @@ LABELS = {
     "lora": "LoRA",
 }
 EARLY_STOPPING = "early stopping"
+# Marks a matched value past every task progress the method's own arms reached (`measured_reach`).
+BEYOND = "†"
+BEYOND_NOTE = (
+    "past the task progress of every arm of the method: on the straight line to its zero strength (the unregularized"
+    " run; for LoRA + CFP-KFAC, LoRA alone), across a stretch no arm of the method measured."
+)
 # The plots' KL axes are linear below this many nats and logarithmic above, so that a method within a tenth of a
 # nat of the base and an unregularized run hundreds of nats away are both readable.
 LINEAR_BELOW = 0.1
@@ -181,10 +188,23 @@ def least_kl_line(found: list[tuple[float, str]]) -> str:
     return line if best > 0 else line + " (the least is at or below zero: no ratio)"
 
 
+def measured_reach(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> dict[str, float]:
+    """{method label: the most task progress any of its own arms reached on `seed`}. A matched value beyond it rests
+    on the frontier's straight line to the method's zero strength (the unregularized run; for LoRA + CFP-KFAC, LoRA
+    alone), across a stretch no arm of the method measured."""
+    task = task_key(optimizer)
+    reach: dict[str, float] = {}
+    for row in _rows_of(rows, optimizer):
+        if row["arm"]["seed"] == seed and row["arm"]["method"] != "unregularized" and task in row["metrics"]:
+            label = method_label(row["arm"], plan)
+            reach[label] = max(reach.get(label, -math.inf), row["metrics"][task])
+    return reach
+
+
 def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> str:
     """Each method's KL of every capability at the `MATCHED` shares of the unregularized run's task progress
-    (module docstring), and per capability and share the method with the least KL and how it compares
-    (`least_kl_line`)."""
+    (module docstring), `BEYOND`-marked past its `measured_reach`, and per capability and share the method with the
+    least KL and how it compares (`least_kl_line`)."""
     task = task_key(optimizer)
     unregularized = [
         r for r in _rows_of(rows, optimizer) if r["arm"]["method"] == "unregularized" and r["arm"]["seed"] == seed
@@ -194,17 +214,27 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
     full = unregularized[0]["metrics"][task]
     targets = [share * full for share in MATCHED]
     curves = {d: frontiers(rows, plan, optimizer, seed, d) for d in CAPABILITIES}
+    reach = measured_reach(rows, plan, optimizer, seed)
+
+    def mark(label: str, target: float) -> str:
+        return BEYOND if target > reach.get(label, math.inf) else ""
+
     heads = [
         f"{d} KL at {share:.0%} ({t:.3g})" for d in CAPABILITIES for share, t in zip(MATCHED, targets, strict=True)
     ]
     lines = ["| method | " + " | ".join(heads) + " |", "|---|" + "---|" * len(heads)]
     for label in curves["math"]:
-        values = [kl_at(curves[d][label], t) for d in CAPABILITIES for t in targets]
-        lines.append(f"| {label} | " + " | ".join(f"{v:.3g}" if v is not None else "n/a" for v in values) + " |")
-    lines.append("")
+        values = [(kl_at(curves[d][label], t), t) for d in CAPABILITIES for t in targets]
+        shown = [f"{v:.3g}{mark(label, t)}" if v is not None else "n/a" for v, t in values]
+        lines.append(f"| {label} | " + " | ".join(shown) + " |")
+    lines += ["", f"{BEYOND} {BEYOND_NOTE}", ""] if any(BEYOND in line for line in lines[2:]) else [""]
     for d in CAPABILITIES:
         for share, target in zip(MATCHED, targets, strict=True):
-            found = sorted((v, label) for label, pts in curves[d].items() if (v := kl_at(pts, target)) is not None)
+            found = sorted(
+                (v, label + mark(label, target))
+                for label, pts in curves[d].items()
+                if (v := kl_at(pts, target)) is not None
+            )
             if len(found) >= 2:
                 lines.append(f"- {d} at {share:.0%}: " + least_kl_line(found))
     return "\n".join(lines)

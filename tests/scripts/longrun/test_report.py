@@ -8,6 +8,8 @@ needs("trl", "datasets")
 
 from longrun.plan import EMBEDDED  # noqa: E402
 from longrun.report import (  # noqa: E402
+    BEYOND,
+    BEYOND_NOTE,
     kl_at,
     least_kl_line,
     lower_envelope,
@@ -28,9 +30,12 @@ def row(optimizer, method, strength, gain, kl, anchor=None):
     return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": metrics}
 
 
-def cells(values):
-    """A table row's cells as `matched_table` writes them: three significant digits, "n/a" for None."""
-    return " | ".join("n/a" if v is None else f"{v:.3g}" for v in values)
+def cells(values, beyond=()):
+    """A table row's cells as `matched_table` writes them: three significant digits, "n/a" for None, and `BEYOND`
+    after the cells at the indices in `beyond`."""
+    return " | ".join(
+        "n/a" if v is None else f"{v:.3g}" + (BEYOND if i in beyond else "") for i, v in enumerate(values)
+    )
 
 
 def test_task_curves_read_the_held_out_points_or_the_logged_reward():
@@ -54,7 +59,9 @@ def test_a_frontier_keeps_only_the_points_no_other_beats():
     rows = [row("sft", "unregularized", 0.0, 2.0, 8.0), row("sft", "lwf", 1.0, 2.1, 1.0, "math")]
     math = [0.4 / 2.1, 1.0 / 2.1, 1.6 / 2.1]
     expected = [*math, *(2 * v for v in math), *(3 * v for v in math)]
-    assert "| LwF distillation | " + cells(expected) + " |" in matched_table(rows, EMBEDDED, "sft", 0)
+    table = matched_table(rows, EMBEDDED, "sft", 0)
+    assert "| LwF distillation | " + cells(expected) + " |" in table
+    assert BEYOND not in table  # LwF's own point reaches every target
 
 
 def test_the_matched_table_names_the_least_kl_at_each_share():
@@ -62,7 +69,9 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     model (0, 0). The KL penalty (1, 2), (1.5, 5) then the unregularized end: 2 * 0.4 = 0.8, 2.0 and
     5 + 3 * 0.1 / 0.5 = 5.6 (80%: between (1.5, 5) and (2, 8)). CFP diagonal (0.5, 0.5), (1.8, 2.8): 0.4,
     0.5 + 2.3 * 0.5 / 1.3 and 0.5 + 2.3 * 1.1 / 1.3. LoRA alone at (1, 4) has no strength to sweep: n/a throughout.
-    LoRA + CFP-KFAC at (0.5, 1.5) runs to LoRA alone, its zero strength: 3 * 0.4 = 1.2, 4 (at LoRA's point), n/a."""
+    LoRA + CFP-KFAC at (0.5, 1.5) runs to LoRA alone, its zero strength: 3 * 0.4 = 1.2, 4 (at LoRA's point), n/a.
+    Past its own arms' most progress (KL penalty 1.5, LoRA + CFP-KFAC 0.5) a value is marked: the KL penalty's at 80%,
+    LoRA + CFP-KFAC's at 50%; the diagonal's 1.8 reaches every target."""
     rows = [
         row("sft", "unregularized", 0.0, 2.0, 8.0),
         row("sft", "kl", 3.0, 1.0, 2.0),
@@ -77,13 +86,15 @@ def test_the_matched_table_names_the_least_kl_at_each_share():
     kl_row = [0.8, 2.0, 5.6, 1.6, 4.0, 11.2, 2.4, 6.0, 16.8]  # math, code, safety at 20%, 50% and 80%
     cfp_row = [0.4, cfp_50, cfp_80, 0.8, 2 * cfp_50, 2 * cfp_80, 1.2, 3 * cfp_50, 3 * cfp_80]
     lora_kfac_row = [1.2, 4.0, None, 2.4, 8.0, None, 3.6, 12.0, None]
-    assert "| KL penalty | " + cells(kl_row) + " |" in table
+    assert "| KL penalty | " + cells(kl_row, beyond={2, 5, 8}) + " |" in table
     assert "| CFP diagonal | " + cells(cfp_row) + " |" in table
     assert "| LoRA | " + cells([None] * 9) + " |" in table
-    assert "| LoRA + CFP-KFAC t256 | " + cells(lora_kfac_row) + " |" in table
+    assert "| LoRA + CFP-KFAC t256 | " + cells(lora_kfac_row, beyond={1, 4, 7}) + " |" in table
+    assert f"- math at 80%: least KL CFP diagonal ({cfp_80:.3g}); next KL penalty{BEYOND} (5.6, " in table
     assert "- math at 20%: least KL CFP diagonal (0.4); next KL penalty (0.8, 2.0x)" in table
     assert f"- math at 50%: least KL CFP diagonal ({cfp_50:.3g}); next KL penalty (2, {2 / cfp_50:.1f}x)" in table
-    assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty (16.8, " in table
+    assert f"- safety at 80%: least KL CFP diagonal ({3 * cfp_80:.3g}); next KL penalty{BEYOND} (16.8, " in table
+    assert f"{BEYOND} {BEYOND_NOTE}" in table
 
 
 def test_early_stopping_is_the_unregularized_runs_own_curve_from_the_base():
