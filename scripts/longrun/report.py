@@ -14,11 +14,11 @@
   kind (baseline or CFP), each as a ratio to the least.
 - Along each run, per optimizer (`trajectory_table`): each trained arm's KL where its own measured curve reaches
   those shares, as if it had been stopped there (GRPO: shares of the unregularized run's last logged training
-  reward).
+  reward gain over the base model's held-out reward).
 - Plots (`plot_report`): per optimizer and capability the frontier (task progress against the capability's KL,
   one curve per method) and the curves over steps (math KL and task progress at every measured step, one line per
-  arm; for GRPO the reward of the trainer's own samples as logged, `task_curve`); KL axes are linear below
-  `LINEAR_BELOW` nats and logarithmic above.
+  arm; for GRPO the reward of the trainer's own samples as logged, less the base model's, `task_curve`); KL axes
+  are linear below `LINEAR_BELOW` nats and logarithmic above.
 """
 
 import math
@@ -116,7 +116,8 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
 
 def run_path(row: dict, optimizer: str, kl: str) -> list[tuple[float, float]]:
     """(task progress, KL) along a run, ordered by progress: the base model at step 0, (0, 0), then every measured
-    point of its curve, its progress as `task_curve` reads it at that step (GRPO: the logged training reward)."""
+    point of its curve, its progress as `task_curve` reads it at that step (GRPO: the logged training reward less
+    the base's)."""
     progress = dict(task_curve(row, optimizer))
     return sorted([(0.0, 0.0), *((progress[p["step"]], p[kl]) for p in row.get("curve", []) if p["step"] in progress)])
 
@@ -244,8 +245,9 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     """Each trained arm's KL of every capability at the step where its own curve reaches the `MATCHED` shares of
     the unregularized run's final task progress: linear between its measured points, from the base model at step 0
     (0, 0); "n/a" where the arm never reaches that progress. Progress as `task_curve` reads it: under GRPO the
-    logged training reward, its targets shares of the unregularized run's last logged reward (the held-out reward
-    is measured at the end only). The unregularized run's own row is the matched table's early stopping."""
+    logged training reward less the base's, its targets shares of the unregularized run's last such gain (the
+    held-out reward is measured at the end only). The unregularized run's own row is the matched table's early
+    stopping."""
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and r.get("curve")]
     unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
     if not unregularized:
@@ -293,9 +295,12 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
 def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
     """(step, task progress) along a run: the held-out measure of SFT and DPO at each measured step; for GRPO the
     mean reward of the trainer's own samples, as TRL logs it at each logging step (the held-out reward is measured
-    at the end only)."""
-    if grpo_reward(optimizer):
-        return [(entry["step"], entry["reward"]) for entry in row.get("history", []) if "reward" in entry]
+    at the end only), minus the base model's held-out reward r0 = `task/<reward>_reward - task/<reward>_gain`, so
+    that progress starts at 0 as SFT's and DPO's does (the brevity reward's r0 is about -1, not 0)."""
+    if reward := grpo_reward(optimizer):
+        metrics = row["metrics"]
+        base = metrics[f"task/{reward}_reward"] - metrics[f"task/{reward}_gain"]
+        return [(entry["step"], entry["reward"] - base) for entry in row.get("history", []) if "reward" in entry]
     key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
     return [(point["step"], point[key]) for point in row.get("curve", [])]
 
@@ -366,7 +371,9 @@ def _plot_curves(rows: list[dict], plan: Plan, seeds: dict[str, int], colours: d
             axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label, **style)
         axes[0][column].set(title=optimizer.upper(), ylabel=f"held-out math KL\n(nats, {SYMLOG})")
         axes[0][column].set_yscale("symlog", linthresh=LINEAR_BELOW)
-        progress = "training reward (logged mean)" if grpo_reward(optimizer) else "held-out task progress"
+        progress = (
+            "training reward - base model's\n(logged mean)" if grpo_reward(optimizer) else "held-out task progress"
+        )
         axes[1][column].set(xlabel="optimizer step", ylabel=progress)
     legend = "solid: first strength, dashed: second"
     figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8, title=legend)

@@ -1,5 +1,6 @@
-"""The long run's report on hand-made rows: task progress along a run (GRPO: the logged reward), the linear
-interpolation of a frontier, and the matched-progress table against values worked out by hand."""
+"""The long run's report on hand-made rows: task progress along a run (GRPO: the logged reward less the base
+model's), the linear interpolation of a frontier, and the matched-progress table against values worked out by
+hand."""
 
 import pytest
 from support.extras import needs
@@ -24,7 +25,7 @@ from longrun.report import (  # noqa: E402
 
 def row(optimizer, method, strength, gain, kl, anchor=None):
     """A row whose code KL is twice and safety KL three times its math KL."""
-    task = {"sft": "task/sft_gain", "grpo-pirate": "task/pirate_gain"}[optimizer]
+    task = {"sft": "task/sft_gain", "grpo-pirate": "task/pirate_gain", "grpo-brevity": "task/brevity_gain"}[optimizer]
     arm = {"optimizer": optimizer, "method": method, "strength": strength, "seed": 0, "anchor": anchor}
     metrics = {task: gain, "math/kl": kl, "code/kl": 2 * kl, "safety/kl": 3 * kl}
     return {"key": f"{optimizer}/{method}@{strength}", "arm": arm, "metrics": metrics}
@@ -42,7 +43,17 @@ def test_task_curves_read_the_held_out_points_or_the_logged_reward():
     sft = {"curve": [{"step": 32, "task/sft_gain": 1.0}, {"step": 64, "task/sft_gain": 1.2}]}
     assert task_curve(sft, "sft") == [(32, 1.0), (64, 1.2)]
     history = [{"step": 8, "loss": 0.1, "reward": 0.02}, {"step": 16, "loss": 0.1}, {"step": 16, "reward": 0.05}]
-    assert task_curve({"curve": [], "history": history}, "grpo-pirate") == [(8, 0.02), (16, 0.05)]
+    pirate = {"task/pirate_reward": 0.05, "task/pirate_gain": 0.05}
+    assert task_curve({"curve": [], "history": history, "metrics": pirate}, "grpo-pirate") == [(8, 0.02), (16, 0.05)]
+
+
+def test_a_grpo_curve_counts_progress_from_the_base_models_reward():
+    """The brevity reward is -length / 100: a base model at -1.0 (held-out reward -0.25 at gain 0.75) whose logged
+    reward climbs to -0.6 and -0.25 has progressed 0.4 and 0.75, not -0.6 and -0.25."""
+    history = [{"step": 8, "reward": -0.6}, {"step": 16, "reward": -0.25}]
+    brevity = {"task/brevity_reward": -0.25, "task/brevity_gain": 0.75}
+    curve = task_curve({"curve": [], "history": history, "metrics": brevity}, "grpo-brevity")
+    assert curve == [(8, pytest.approx(0.4)), (16, pytest.approx(0.75))]
 
 
 def test_kl_at_interpolates_linearly_between_bracketing_points_only():
@@ -137,14 +148,17 @@ def test_along_each_run_reads_the_arms_own_curve_from_the_base_at_step_zero():
     assert trajectory_table([unregularized, kl], EMBEDDED, "grpo-pirate", 0) == ""
 
 
-def test_along_each_grpo_run_the_progress_is_the_logged_reward_at_each_measured_step():
-    """The unregularized run's last logged reward is 1.0: targets 0.2, 0.5, 0.8. The KL penalty logs reward 0.1 at
-    step 8 and 0.5 at step 16, where its math KL is 1 and 3 (its step-12 point has no logged reward and is not
-    used): 20% at 1 + 2 * (0.2 - 0.1) / 0.4 = 1.5, 50% at 3, never 80%."""
+def test_along_each_grpo_run_the_progress_is_the_logged_reward_gain_at_each_measured_step():
+    """Brevity, base model's reward -1. The unregularized run's last logged reward is 0.0, a gain of 1.0: targets
+    0.2, 0.5, 0.8. The KL penalty logs reward -0.9 at step 8 and -0.5 at step 16 (gains 0.1 and 0.5), where its
+    math KL is 1 and 3 (its step-12 point has no logged reward and is not used): 20% at 1 + 2 * (0.2 - 0.1) / 0.4 =
+    1.5, 50% at 3, never 80%."""
 
-    def grpo(method, strength, rewards, kls):
-        arm = row("grpo-pirate", method, strength, rewards[-1], kls[-1])
-        arm["history"] = [{"step": s, "loss": 0.0, "reward": r} for s, r in zip((8, 16), rewards, strict=True)]
+    def grpo(method, strength, gains, kls):
+        arm = row("grpo-brevity", method, strength, gains[-1], kls[-1])
+        arm["metrics"]["task/brevity_reward"] = gains[-1] - 1.0
+        history = [{"step": s, "loss": 0.0, "reward": g - 1.0} for s, g in zip((8, 16), gains, strict=True)]
+        arm["history"] = history
         arm["curve"] = [
             {"step": s, "math/kl": k, "code/kl": 2 * k, "safety/kl": 3 * k}
             for s, k in zip((8, 12, 16), (kls[0], 100.0, kls[1]), strict=True)
@@ -154,7 +168,7 @@ def test_along_each_grpo_run_the_progress_is_the_logged_reward_at_each_measured_
     table = trajectory_table(
         [grpo("unregularized", 0.0, (0.2, 1.0), (5.0, 9.0)), grpo("kl", 0.05, (0.1, 0.5), (1.0, 3.0))],
         EMBEDDED,
-        "grpo-pirate",
+        "grpo-brevity",
         0,
     )
     assert "math KL at 20% (0.2) | math KL at 50% (0.5) | math KL at 80% (0.8)" in table
