@@ -25,7 +25,7 @@ import math
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .plan import SUPERVISED, Plan, grpo_reward
+from .plan import Plan, grpo_reward
 
 # Shares of the unregularized run's task progress at which methods are compared; 20% because under DPO most
 # methods stop well short of half the unregularized margin.
@@ -52,6 +52,7 @@ BEYOND_NOTE = (
 LINEAR_BELOW = 0.1
 SYMLOG = f"symlog, linear to {LINEAR_BELOW:g}"
 MISSING = "—"
+LINE_STYLES = ("-", "--", ":")  # the first seed or strength of a method, the second, the rest
 
 
 def task_key(optimizer: str) -> str:
@@ -273,6 +274,12 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     return "\n".join(lines)
 
 
+def compared_seeds(rows: list[dict], optimizer: str) -> list[int]:
+    """The seeds of `optimizer` with an arm beside the unregularized run (more than one row), in order."""
+    arms_per_seed = Counter(r["arm"]["seed"] for r in _rows_of(rows, optimizer))
+    return sorted(seed for seed, arms in arms_per_seed.items() if arms > 1)
+
+
 def markdown_report(rows: list[dict], plan: Plan) -> str:
     """Every table, per optimizer that has rows: the final table, then the matched comparisons of each seed with
     an arm beside its unregularized run."""
@@ -282,8 +289,7 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
         if not own:
             continue
         parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
-        arms_per_seed = Counter(r["arm"]["seed"] for r in own)
-        for seed in sorted(seed for seed, arms in arms_per_seed.items() if arms > 1):
+        for seed in compared_seeds(rows, optimizer):
             matched = matched_table(rows, plan, optimizer, seed)
             parts += [f"### At matched task progress (seed {seed})", "", matched, ""]
             along = trajectory_table(rows, plan, optimizer, seed)
@@ -321,55 +327,57 @@ def method_colours(labels: list[str]) -> dict[str, str]:
 
 
 def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
-    """`frontier.png` (per optimizer and capability: task progress against its KL, one curve per method) and
-    `curves.png` (per optimizer: math KL and task progress at every measured step of the first seed's arms, a
-    method's first strength solid and its second dashed); a method has one colour in both. Returns the paths."""
+    """`frontier.png` (per optimizer and capability: task progress against its KL, one curve per method and seed,
+    the first seed solid, the second dashed) and `curves.png` (per optimizer and seed: math KL and task progress at
+    every measured step of its arms, a method's first strength solid and its second dashed); a method has one
+    colour in both. Only seeds with an arm beside the unregularized run are drawn. Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    optimizers = [o for o in plan.optimizers if _rows_of(rows, o)]
-    if not optimizers:
+    seeds = {o: compared_seeds(rows, o) for o in plan.optimizers if compared_seeds(rows, o)}
+    if not seeds:
         return []
-    first_seed = {o: plan.seeds[0] if o in SUPERVISED else plan.grpo_seeds[0] for o in optimizers}
-    drawn = {(o, c): frontiers(rows, plan, o, first_seed[o], c) for o in optimizers for c in CAPABILITIES}
+    drawn = {(o, s, c): frontiers(rows, plan, o, s, c) for o, own in seeds.items() for s in own for c in CAPABILITIES}
     labels = [label for curves in drawn.values() for label in curves]
     colours = method_colours([*labels, *(method_label(r["arm"], plan) for r in rows if "arm" in r)])
     paths = [out / "frontier.png", out / "curves.png"]
-    figure, axes = plt.subplots(
-        3, len(optimizers), figsize=(5 * len(optimizers), 12), squeeze=False, layout="constrained"
-    )
-    for column, optimizer in enumerate(optimizers):
+    figure, axes = plt.subplots(3, len(seeds), figsize=(5 * len(seeds), 12), squeeze=False, layout="constrained")
+    for column, (optimizer, own) in enumerate(seeds.items()):
         for axis, capability in zip(axes[:, column], CAPABILITIES, strict=True):
-            for label, points in drawn[optimizer, capability].items():
-                xy = ([k for _, k in points], [g for g, _ in points])
-                axis.plot(*xy, marker="o", label=label, color=colours[label])
+            for rank, seed in enumerate(own):
+                for label, points in drawn[optimizer, seed, capability].items():
+                    xy = ([k for _, k in points], [g for g, _ in points])
+                    style = {"linestyle": LINE_STYLES[min(rank, 2)], "marker": "o" if rank == 0 else "x"}
+                    axis.plot(*xy, label=label, color=colours[label], **style)
             axis.set(xlabel=f"held-out {capability} KL (nats, {SYMLOG})", ylabel=task_key(optimizer))
-            axis.set_title(optimizer.upper())
+            axis.set_title(f"{optimizer.upper()}, seed{'s' * (len(own) > 1)} {', '.join(map(str, own))}")
             axis.set_xscale("symlog", linthresh=LINEAR_BELOW)
-    figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8)
+    legend = "solid: first seed, dashed: second"
+    figure.legend(*_unique_handles(axes), loc="outside lower center", ncols=6, fontsize=8, title=legend)
     figure.savefig(paths[0], dpi=120)
-    _plot_curves(rows, plan, {o: first_seed[o] for o in optimizers}, colours).savefig(paths[1], dpi=120)
+    _plot_curves(rows, plan, [(o, s) for o, own in seeds.items() for s in own], colours).savefig(paths[1], dpi=120)
     plt.close("all")
     return paths
 
 
-def _plot_curves(rows: list[dict], plan: Plan, seeds: dict[str, int], colours: dict[str, str]):
-    """The `curves.png` figure of `plot_report`: one column per optimizer in `seeds`, the arms of its seed."""
+def _plot_curves(rows: list[dict], plan: Plan, panels: list[tuple[str, int]], colours: dict[str, str]):
+    """The `curves.png` figure of `plot_report`: one column per (optimizer, seed) in `panels`, the arms of that
+    seed."""
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(2, len(seeds), figsize=(5 * len(seeds), 7), squeeze=False, layout="constrained")
-    for column, (optimizer, seed) in enumerate(seeds.items()):
+    figure, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False, layout="constrained")
+    for column, (optimizer, seed) in enumerate(panels):
         for row in _rows_of(rows, optimizer):
             if not row.get("curve") or row["arm"]["seed"] != seed:
                 continue
             label = method_label(row["arm"], plan)
-            style = {"color": colours[label], "linestyle": ("-", "--", ":")[min(strength_rank(row["arm"], plan), 2)]}
+            style = {"color": colours[label], "linestyle": LINE_STYLES[min(strength_rank(row["arm"], plan), 2)]}
             steps = [p["step"] for p in row["curve"]]
             axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label, **style)
             axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label, **style)
-        axes[0][column].set(title=optimizer.upper(), ylabel=f"held-out math KL\n(nats, {SYMLOG})")
+        axes[0][column].set(title=f"{optimizer.upper()}, seed {seed}", ylabel=f"held-out math KL\n(nats, {SYMLOG})")
         axes[0][column].set_yscale("symlog", linthresh=LINEAR_BELOW)
         progress = (
             "training reward - base model's\n(logged mean)" if grpo_reward(optimizer) else "held-out task progress"

@@ -11,12 +11,14 @@ from longrun.plan import EMBEDDED  # noqa: E402
 from longrun.report import (  # noqa: E402
     BEYOND,
     BEYOND_NOTE,
+    compared_seeds,
     kl_at,
     least_kl_line,
     lower_envelope,
     markdown_report,
     matched_table,
     method_colours,
+    plot_report,
     strength_rank,
     task_curve,
     trajectory_table,
@@ -222,3 +224,28 @@ def test_the_report_gives_each_rows_seed_and_compares_a_seed_once_it_has_an_arm_
     assert "| unregularized | 0 | 1 | " in report
     assert "### At matched task progress (seed 0)" in report
     assert "(seed 1)" not in report
+
+
+def seeded(seed, *rows_):
+    """`rows_` moved to `seed`."""
+    return [{**r, "arm": {**r["arm"], "seed": seed}} for r in rows_]
+
+
+def test_the_plots_draw_each_compared_seed_frontiers_in_one_column_curves_in_one_column_each(tmp_path):
+    """GRPO-pirate seeds 0 and 1 each have an arm beside the unregularized run, seed 2 only its unregularized run;
+    SFT has seed 0. At 5 inches per column and 120 dpi: the frontiers 2 columns (SFT; GRPO-pirate's two seeds in
+    one), the curves 3 (SFT; GRPO-pirate seed 0; seed 1)."""
+    needs("matplotlib")
+    from PIL import Image
+
+    pirate = [row("grpo-pirate", "unregularized", 0.0, 1.0, 9.0), row("grpo-pirate", "kl", 0.05, 0.5, 2.0)]
+    rows = [*pirate, *seeded(1, *pirate), *seeded(2, pirate[0]), row("sft", "unregularized", 0.0, 1.0, 5.0)]
+    rows += [row("sft", "cfp", 1.0, 0.6, 0.5, "math")]
+    for r in rows:
+        r["curve"] = [{"step": 8, "math/kl": 1.0, "code/kl": 2.0, "safety/kl": 3.0, "task/sft_gain": 0.5}]
+        r["metrics"]["task/pirate_reward"] = r["metrics"].get("task/pirate_gain", 0.0)
+        r["history"] = [{"step": 8, "reward": 0.5}]
+    assert compared_seeds(rows, "grpo-pirate") == [0, 1] and compared_seeds(rows, "sft") == [0]
+    frontier, curves = plot_report(rows, EMBEDDED, tmp_path)
+    assert Image.open(frontier).width == 2 * 5 * 120
+    assert Image.open(curves).width == 3 * 5 * 120
