@@ -28,10 +28,9 @@ Under row sharding (FSDP2 splits W along its first dimension) a process holds ro
 complete for its rows, P and N are partial sums over them, completed by `reduce` (an all-reduce across processes)
 together with the column norms of M and |D|^2 that the tail's drift needs (r_G (r_A + in) + r_A + 1 floats).
 
-A basis may carry a leading batch dimension (the bases of n weights of one shape stacked, `protection.kronecker`):
-every function below then works on the stacked weights (n x out x in) at once, by batched matrix products. The
-rotations multiply in the eigenvectors' dtype (bfloat16 bases for bfloat16 weights: the products' rounding, 2^-8
-of the rotated displacement, is at or below the weights' own), everything else in float32.
+A basis may carry a leading batch dimension (n weights of one shape stacked, `protection.kronecker`): every function
+then works on the stacked weights at once. Rotations multiply in the eigenvectors' dtype (bfloat16 bases for
+bfloat16 weights: rounding 2^-8 of the rotated displacement, at or below the weights' own), the rest in float32.
 """
 
 from collections.abc import Callable, Iterable, Sequence
@@ -43,8 +42,8 @@ import torch
 Reduce = Callable[[list[torch.Tensor]], None]
 
 
-def _no_reduce(tensors: list[torch.Tensor]) -> None:
-    """One process holds every row: the sums are already complete."""
+def no_reduce(tensors: list[torch.Tensor]) -> None:  # one process holds every row: the sums are complete
+    pass
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,7 @@ class KroneckerBasis:
 
     @staticmethod
     def stacked(bases: Sequence["KroneckerBasis"]) -> "KroneckerBasis":
-        """The bases of n weights of one shape as one basis with a leading batch dimension (tails of 0 for those
-        without one, when some has one)."""
+        """n bases of one shape as one with a leading batch dimension (0 tails for those without, if some has)."""
         tails = [b.tails() for b in bases] if any(b.tailed for b in bases) else None
         return KroneckerBasis(
             torch.stack([b.a_vectors for b in bases]),
@@ -90,8 +88,7 @@ class KroneckerBasis:
         )
 
     def __getitem__(self, i: int) -> "KroneckerBasis":
-        """The i-th basis of a stacked one (views)."""
-        return self._map(lambda t: t[i], lambda t: t[i])
+        return self._map(lambda t: t[i], lambda t: t[i])  # the i-th basis of a stacked one (views)
 
     def _map(
         self, vectors: Callable[[torch.Tensor], torch.Tensor], values: Callable[[torch.Tensor], torch.Tensor]
@@ -144,9 +141,9 @@ class KroneckerBasis:
         return torch.cat([b.reshape(-1).repeat_interleave(c) for b, c in zip(blocks, counts, strict=True)])
 
     def rotate(self, delta: torch.Tensor) -> torch.Tensor:
-        """U_G^T Delta U_A (a partial sum over the rows held here), multiplied in the eigenvectors' dtype, float32."""
+        """U_G^T Delta U_A (partial over the rows held here) in the eigenvectors' dtype, float32 (or float64)."""
         d = delta.to(self.a_vectors.dtype)
-        return (self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors)).float()
+        return _wide(self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors))
 
     def project(self, delta: torch.Tensor) -> "Projection":
         """Delta's coordinates in the blocks (module docstring), partial sums over the rows held here."""
@@ -154,11 +151,15 @@ class KroneckerBasis:
             return Projection(self.rotate(delta))
         d = delta.to(self.a_vectors.dtype)
         columns = d @ self.a_vectors  # M = D U_A, the rows held here
-        kept = (self.g_vectors.transpose(-2, -1) @ columns).float()
-        rows = (self.g_vectors.transpose(-2, -1) @ d).float()  # N = U_G^T D
-        total = torch.linalg.vector_norm(delta.float(), dim=(-2, -1)).double().square()  # faster than dtype=
-        norms = torch.cat([columns.float().square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
-        return Projection(kept, rows, columns.float(), norms)
+        kept = _wide(self.g_vectors.transpose(-2, -1) @ columns)
+        rows = _wide(self.g_vectors.transpose(-2, -1) @ d)  # N = U_G^T D
+        total = torch.linalg.vector_norm(_wide(delta), dim=(-2, -1)).double().square()  # faster than dtype=
+        norms = torch.cat([_wide(columns).square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
+        return Projection(kept, rows, _wide(columns), norms)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()  # the projections' dtype: float32, float64 kept
 
 
 @dataclass
@@ -201,7 +202,7 @@ class Projection:
 
 
 def projected(
-    displacements: Iterable[torch.Tensor], bases: Sequence[KroneckerBasis], reduce: Reduce = _no_reduce
+    displacements: Iterable[torch.Tensor], bases: Sequence[KroneckerBasis], reduce: Reduce = no_reduce
 ) -> list[Projection]:
     """The projections of the displacements D_k (the rows held here) onto their bases, complete (one `reduce` for
     all); each D_k is read once, so an iterator holds one at a time."""
@@ -215,14 +216,13 @@ def rotated_displacements(
     params: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
-    reduce: Reduce = _no_reduce,
+    reduce: Reduce = no_reduce,
 ) -> list[Projection]:
     """The projections of theta_k - theta0_k for every weight, complete (`projected`, one D_k at a time)."""
     return projected((p - t for p, t in zip(params, theta0, strict=True)), bases, reduce)
 
 
-def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
-    """w = lam e / (1 + lam e) of eigenvalues e: the share of each coordinate pulled back."""
+def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:  # w = lam e / (1 + lam e), the share pulled
     strength = weights.mul(float(lam))
     return strength.div_(strength + 1.0)
 
@@ -282,7 +282,7 @@ def kfac_pull_(
     bases: Sequence[KroneckerBasis],
     lam: float,
     rotated: Sequence[Projection] | None = None,
-    reduce: Reduce = _no_reduce,
+    reduce: Reduce = no_reduce,
 ) -> None:
     """In place, on every weight: theta <- theta - shrink, the exact proximal map of (lam / 2) tr(X^T G_r X A_r)
     at D = theta - theta0 (`shrink_factors`, `subtract_shrink_`). `rotated`: the projections of these proposals
@@ -304,7 +304,7 @@ def kfac_drift_squares(
     displacements: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
     threshold: float,
-    reduce: Reduce = _no_reduce,
+    reduce: Reduce = no_reduce,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drift of K-FAC weights (their displacements D = theta - theta0, the rows held here) in their blocks of
     eigen-directions, as float64 sums on the CPU:
