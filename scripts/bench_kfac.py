@@ -194,9 +194,7 @@ def two_anchor_table(args) -> str:
     seconds, iterations = two_anchors(args)
     ratio = seconds["two"] / seconds["one"]
     layers = ", ".join(map(str, args.layers))
-    print(
-        f"\n| correction of one proposal, layers {layers} (135M, rank {args.rank}, c = 10) | seconds | / one |"
-    )
+    print(f"\n| correction of one proposal, layers {layers} (135M, rank {args.rank}, c = 10) | seconds | / one |")
     print("|---|---|---|")
     print(f"| math alone (closed form) | {seconds['one']:.3f} | 1.00 |")
     print(f"| math + safety (summed, {iterations:.1f} iterations per weight) | {seconds['two']:.3f} | {ratio:.2f} |")

@@ -59,7 +59,7 @@ from hf_cfp.protection.kronecker import BATCH
 
 # Conjugate-gradient iterations per weight of two summed rank-256 anchors at a realistic step, measured on the
 # embedded model by `scripts/bench_kfac.py` (kfac_two_anchor_iterations; docs/reports/performance.md).
-ITERATIONS = 0.0
+ITERATIONS = 101.0
 
 SHAPES = {
     "Qwen2.5-7B": Qwen2Config(
