@@ -40,7 +40,7 @@ import torch
 
 from hf_cfp import estimate_fisher
 from hf_cfp.anchor.compare import compare_anchors
-from hf_cfp.fisher.prompts import to_token_ids
+from hf_cfp.fisher.token_ids import to_token_ids
 from hf_cfp.loading.models import EMBEDDED, load_causal_lm
 from hf_cfp.loading.prompts import load_prompts
 

@@ -55,7 +55,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from hf_cfp.fisher.kfac_factors import MAX_FORMED_DIMENSION, WIDE_RANK
 from hf_cfp.fisher.kfac_sums import kfac_weights
-from hf_cfp.protection.kronecker import BATCH
+from hf_cfp.protection.kronecker import BATCH, balanced_owners
 
 SHAPES = {
     "Qwen2.5-7B": Qwen2Config(
@@ -192,15 +192,6 @@ def batches(weights: list[Weight]) -> list[list[Weight]]:
     return [same[i : i + BATCH] for same in kinds.values() for i in range(0, len(same), BATCH)]
 
 
-def owners(costs: list[float], processes: int) -> list[int]:
-    """Largest first, each to the least loaded process so far (the rule of `protection.kronecker`)."""
-    loads, owner = [0.0] * processes, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner[i] = min(range(processes), key=lambda p: (loads[p], p))
-        loads[owner[i]] += costs[i]
-    return owner
-
-
 @dataclass
 class Cost:
     """One plan's figures per rank and step (the busiest rank)."""
@@ -241,7 +232,7 @@ def fsdp2(model: Model, weights: list[Weight], n: int) -> Cost:
 def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
     groups = batches(weights)
     costs = [sum(w.flops(w.out_dim) for w in b) for b in groups]
-    owner = owners(costs, n)
+    owner = balanced_owners(costs, n)
     busiest = max(range(n), key=lambda p: sum(c for c, o in zip(costs, owner, strict=True) if o == p))
     owned = [b for b, o in zip(groups, owner, strict=True) if o == busiest]
     factored = sum(w.params for w in weights)

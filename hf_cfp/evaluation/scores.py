@@ -13,7 +13,7 @@ import re
 import torch
 
 from ..errors import CFPArgumentError, plural
-from ..fisher.prompts import to_token_ids
+from ..fisher.token_ids import to_token_ids
 from ..fisher.sampling import Sampler, resolve_eos_ids, resolve_pad_id
 from .kl import score_responses
 

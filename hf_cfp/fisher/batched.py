@@ -19,7 +19,7 @@ b only, since the sequences of a batch do not interact). So the engine
    (`per_sequence_grads`, which states the G_b formulas), then releases those (a, g).
 
 Memory beyond a plain forward + backward: the float32 accumulators, one chunk of per-sequence
-gradients (`memory.default_chunk_elements`), and the (a, g) of parameters still waiting for a use
+gradients (`chunk_size.default_chunk_elements`), and the (a, g) of parameters still waiting for a use
 (a tied lm_head's, until the embedding's gradient arrives at the end of the backward).
 
 Covered modules (`module_kinds` states what each kind means): ``nn.Linear`` (LoRA's included), GPT-2
@@ -52,7 +52,7 @@ from ..errors import CFPArgumentError, CFPError, plural
 from ..parallel.processes import log_on_main_process
 from .backward import Consumer
 from .kfac_factors import KroneckerSums
-from .memory import default_chunk_elements
+from .chunk_size import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
 from .sampling import Sampler
 from .scoring import PaddedBatch, add_squared_score, sequence_log_prob
@@ -96,7 +96,7 @@ def add_batched_squared_scores(
         max_chunk_elements: sequences are processed in chunks so that one chunk's per-sequence
             gradient of a parameter has at most this many elements (at least one sequence); the
             result does not depend on it. None (default): chosen from the memory available when
-            the backward starts (`memory.default_chunk_elements`).
+            the backward starts (`chunk_size.default_chunk_elements`).
         supports: the support of mu each response token was drawn from, packed, one entry per
             response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
             A response token of probability 0 under mu raises CFPArgumentError.

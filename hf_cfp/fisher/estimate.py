@@ -23,7 +23,7 @@ from .accumulators import ENGINE_FUNCTIONS, DiagonalSums, FisherSums
 from .calibration import CalibrationPlan, ScoringGroups
 from .estimate_checks import check_arguments, check_causal_lm, check_structure, labels_of
 from .kfac_sums import KroneckerFisherSums
-from .prompts import prompts_sha256, to_token_ids
+from .token_ids import prompts_sha256, to_token_ids
 from .sampling import Sampler, SamplingSettings
 
 ENGINES = tuple(ENGINE_FUNCTIONS)

@@ -4,7 +4,7 @@ that the model is a causal LM (one forward, so a model that cannot generate fail
 import torch
 
 from ..errors import CFPArgumentError, plural
-from .prompts import to_token_ids
+from .token_ids import to_token_ids
 
 ESTIMATORS = ("sequence", "token", "empirical")
 STRUCTURES = ("diagonal", "kfac")

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from hf_cfp.fisher import memory
+from hf_cfp.fisher import chunk_size
 
 
 @pytest.mark.parametrize(
@@ -17,8 +17,8 @@ from hf_cfp.fisher import memory
     ],
 )
 def test_default_chunk_is_a_sixteenth_of_available_memory_in_two_float32_buffers(monkeypatch, available, want):
-    monkeypatch.setattr(memory, "available_bytes", lambda device: available)
-    got = memory.default_chunk_elements(torch.device("cpu"))
+    monkeypatch.setattr(chunk_size, "available_bytes", lambda device: available)
+    got = chunk_size.default_chunk_elements(torch.device("cpu"))
     assert got == want
     assert 2 * 4 * got <= available / 16
 
@@ -29,4 +29,4 @@ def test_available_bytes_on_cpu_is_mem_available():
     with open("/proc/meminfo") as handle:
         fields = dict(line.split(":", 1) for line in handle)
     mem_available = int(fields["MemAvailable"].split()[0]) * 1024
-    assert abs(memory.available_bytes(torch.device("cpu")) - mem_available) < 256 * 2**20
+    assert abs(chunk_size.available_bytes(torch.device("cpu")) - mem_available) < 256 * 2**20
