@@ -51,7 +51,7 @@ import torch
 from bench_peft import smollm2_135m_shaped  # scripts/ is on sys.path when run
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.anchor.kfac import stored_parts
+from hf_cfp.geometry.kronecker.artifact import stored_parts
 from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.protection import CFPState
 

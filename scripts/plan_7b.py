@@ -5,7 +5,7 @@ shapes (built on the meta device).
     python scripts/plan_7b.py                       # Qwen2.5-7B, Llama-3-8B and Llama-3-70B, the defaults below
     python scripts/plan_7b.py --ranks 8 --kfac-rank 128 --tokens-per-gpu 16384
 
-Which weights are factored is the library's rule (`fisher.kfac_sums.kfac_weights`): every 2-D Linear weight,
+Which weights are factored is the library's rule (`geometry.kronecker.sink.kfac_weights`): every 2-D Linear weight,
 whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head (an embedding lookup too), the
 embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
 estimation, never formed. Rows: `--kfac-rank` R (default 256: the rank the sweep of `scripts/reproduce_table.py`
@@ -53,8 +53,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from hf_cfp.fisher.kfac_factors import MAX_FORMED_DIMENSION, WIDE_RANK
-from hf_cfp.fisher.kfac_sums import kfac_weights
+from hf_cfp.fisher.feeding import scored_parameters
+from hf_cfp.geometry.kronecker import kfac_weights
+from hf_cfp.geometry.kronecker.factors import MAX_FORMED_DIMENSION, WIDE_RANK
 from hf_cfp.protection.kronecker import BATCH, balanced_owners
 
 SHAPES = {
@@ -170,7 +171,7 @@ def load(name: str) -> Model:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(SHAPES[name])
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    factored = kfac_weights(model, named)
+    factored = {s.name for s in kfac_weights(scored_parameters(model, named))}
     shapes = [(n, *p.shape) for n, p in named if n in factored]
     diagonal = {n: p.numel() for n, p in named if n not in factored}
     linear_diagonal = [

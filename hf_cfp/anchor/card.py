@@ -5,7 +5,7 @@ from importlib import resources
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .kfac_views import AnchorWeights
+from ..geometry.kronecker.views import AnchorWeights
 from .protocol import NamedFisher
 from .statistics import concentration
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor
 from transformers.utils import logging
 
 from ..anchor import FisherAnchor
-from ..anchor.lazy import fisher_shape, read_block, read_flat
 from ..errors import AnchorMismatchError
+from ..geometry.diagonal.artifact import fisher_shape, read_block, read_flat
 from ..names import canonical_name
 from ..parallel.fsdp1 import FlatPiece
 from ..parallel.processes import log_on_main_process

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..anchor import FisherAnchor
-from ..anchor.lazy import TensorsOf
+from ..geometry.diagonal.artifact import TensorsOf
 from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_
 from .binding import BoundTensor
 from .memory import MemoryPlan

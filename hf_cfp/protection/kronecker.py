@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..anchor.kfac import stored_parts
 from ..errors import CFPArgumentError
+from ..geometry.kronecker.artifact import stored_parts
 from ..ops.kfac import (
     KroneckerBasis,
     Projection,

@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 from transformers.pytorch_utils import Conv1D
 
 from ..anchor import FisherAnchor
-from ..anchor.kfac import LazyBases, weight_shape
 from ..errors import AnchorMismatchError, CFPArgumentError
+from ..geometry.kronecker.artifact import LazyBases, weight_shape
 from ..ops.kfac import KroneckerBasis
 from ..parallel.shards import dtensor_local_block
 from ..quantized import logical_shape

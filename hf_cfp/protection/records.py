@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..anchor import FisherAnchor
-from ..anchor.kfac_views import AnchorWeights
-from ..anchor.lazy import TensorsOf
+from ..geometry.diagonal.artifact import TensorsOf
+from ..geometry.kronecker.views import AnchorWeights
 from ..ops import free_threshold
 from ..ops.kfac import KroneckerBasis
 from ..parallel import local_tensor
@@ -156,7 +156,7 @@ def anchor_views(
     """Each anchor's view, by name. Its threshold is the free_fraction order statistic of its full F over every
     covered parameter that can move (trainable and LoRA-adapted ones; `ops.free_threshold`), read one tensor at a
     time (an anchor kept in its files is never loaded whole); for a K-FAC anchor the values are the weights of its
-    coordinates (`anchor.kfac_views.AnchorWeights`: the eigenvalue of each coordinate of A_r (x) G_r);
+    coordinates (`geometry.kronecker.views.AnchorWeights`: the eigenvalue of each coordinate of A_r (x) G_r);
     inf when it covers none."""
     by_param = {id(t.param): t for t in tracked}
     views = {}

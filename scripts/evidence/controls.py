@@ -22,8 +22,8 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hf_cfp.anchor import FisherAnchor, check_fingerprint
-from hf_cfp.anchor.kfac import truncate_basis, with_tails
 from hf_cfp.errors import CFPArgumentError, CFPError
+from hf_cfp.geometry.kronecker.artifact import truncate_basis, with_tails
 from hf_cfp.integrations.strength import check_lam
 from hf_cfp.ops import proximal_pull_
 from hf_cfp.ops.kfac import KroneckerBasis
@@ -51,8 +51,8 @@ def isotropic_anchor(anchor: FisherAnchor, name: str = "isotropic") -> FisherAnc
 
 
 def truncated_anchor(anchor: FisherAnchor, rank: int, name: str, tail: str = "zero") -> FisherAnchor:
-    """K-FAC `anchor` with each factor's top `rank` eigenpairs (`hf_cfp.anchor.kfac.truncate_basis`; the stored
-    bases are largest first) and `tail` for the directions left out:
+    """K-FAC `anchor` with each factor's top `rank` eigenpairs (`hf_cfp.geometry.kronecker.artifact.truncate_basis`;
+    the stored bases are largest first) and `tail` for the directions left out:
 
         A_r = U_A diag(alpha[:r]) U_A^T + rho_A (I - U_A U_A^T),   the same for G,
 

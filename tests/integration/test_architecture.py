@@ -11,10 +11,15 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_cfp"
 
 # Each layer imports only from layers before it (and from itself).
+# `geometry` (one package per structure of F, each whole: math, estimate sink, artifact part, LoRA rules; the
+# registry) sits below `anchor` and `fisher`, which look a structure's parts up in it: the anchor artifact reads
+# each geometry's keys, checks and lazy reads, and the scoring pass (`fisher`) hands what it computes to the sinks
+# the structure registered, so neither imports the other's geometry and nothing points back up.
 LAYERS = [
     ("version", "errors", "exports", "imports", "quiet", "names", "quantized"),
     ("ops",),
     ("parallel",),
+    ("geometry",),
     ("anchor",),
     ("fisher",),
     ("protection",),

@@ -31,7 +31,7 @@ from support.distributed import (
 def main(out, anchor, tailed):
     import torch.distributed as dist
 
-    from hf_cfp.fisher import kfac_factors
+    from hf_cfp.geometry.kronecker import factors as kfac_factors
 
     results = {}
     for suffix, directory in (("", anchor), ("_tailed", tailed)):

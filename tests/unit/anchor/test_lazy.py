@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 from support.tiny import anchor_for, tiny_llama
 
 from hf_cfp import FisherAnchor
-from hf_cfp.anchor.lazy import LazyFisher, TensorsOf, fisher_shape, read_block, read_flat
 from hf_cfp.anchor.storage import WEIGHTS_NAME
 from hf_cfp.errors import AnchorFormatError, AnchorValidationError
+from hf_cfp.geometry.diagonal.artifact import LazyFisher, TensorsOf, fisher_shape, read_block, read_flat
 from hf_cfp.ops import free_threshold
 from hf_cfp.protection import CFPState
 

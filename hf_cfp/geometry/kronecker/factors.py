@@ -1,4 +1,5 @@
-"""Kronecker factors of the anchor Fisher for Linear-like weights, accumulated from the batched engine's hooks.
+"""Kronecker factors of the anchor Fisher for Linear-like weights, summed from the layer inputs and output gradients
+the scoring pass hands over (`base.LayerSums`).
 
 For a weight W (out x in) of a module y_t = W a_t + c (nn.Linear; GPT-2 Conv1D stores W^T, the factors are those
 of W^T's orientation, out x in) and N calibration sequences drawn on-policy, with positions t running over every
@@ -13,15 +14,15 @@ of A (x) G on the scale of the diagonal Fisher. The sums are kept in float32 (in
 no per-sequence gradient; a sketch for factors too wide to form, below), added across processes like the
 diagonal sums, and turned into eigenbases once.
 
-Which weights: `kfac_kind` says which modules qualify (the stock nn.Linear and Conv1D forwards with a 2-D weight),
-whatever their width, an untied vocabulary-sized lm_head included (a tied one is an embedding lookup too and keeps
-its diagonal F, `kfac_sums.kfac_weights`). A factor of dimension at most `MAX_FORMED_DIMENSION` is summed densely
-(`DenseFactor`, dim^2 floats) and decomposed exactly (its top eigenpairs by subspace iteration when the rank is
-small beside its dimension); a wider one is never formed: `SketchedFactor` streams a
-randomized sketch of it (`kfac_sketch.FactorSketch`, dim x l floats, l = rank + oversampling) and its exact trace,
-and its top eigenpairs come from the sketch's Nystrom approximation after one more pass over the scored sequences
-(`kfac_sums.KroneckerFisherSums.refine`). Either way the factor keeps its top `rank` eigenpairs and
-the mean of the rest as its tail (`anchor.kfac.truncated_spectrum`); a sketched factor needs a rank (`WIDE_RANK`
+Which weights: those the scoring pass can hand inputs and output gradients of (`fisher.module_kinds.layer_kind`:
+the stock nn.Linear and Conv1D forwards with a 2-D weight), whatever their width, an untied vocabulary-sized
+lm_head included (a tied one is an embedding lookup too and keeps its diagonal F, `sink.kfac_weights`). A factor
+of dimension at most `MAX_FORMED_DIMENSION` is summed densely (`DenseFactor`, dim^2 floats) and decomposed exactly
+(its top eigenpairs by subspace iteration when the rank is small beside its dimension); a wider one is never formed:
+`SketchedFactor` streams a randomized sketch of it (`sketch.FactorSketch`, dim x l floats, l = rank + oversampling)
+and its exact trace, and its top eigenpairs come from the sketch's Nystrom approximation after one more pass over
+the scored sequences (`sink.KroneckerSink.refine`). Either way the factor keeps its top `rank` eigenpairs and the
+mean of the rest as its tail (`artifact.truncated_spectrum`); a sketched factor needs a rank (`WIDE_RANK`
 when none is given).
 """
 
@@ -30,11 +31,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from torch import nn
 
-from ..anchor.kfac import checked_factor, eigenbasis, truncated_spectrum
-from .kfac_sketch import FactorSketch, sketch_width, top_eigenpairs
-from .module_kinds import module_kind
+from .artifact import checked_factor, eigenbasis, truncated_spectrum
+from .sketch import FactorSketch, sketch_width, top_eigenpairs
 
 MAX_FORMED_DIMENSION = 8192  # a wider factor (8192^2 float32 = 268 MB) is sketched, never formed
 WIDE_RANK = 256  # the eigenpairs a sketched factor keeps when the estimate asks for all of them (kfac_rank=None)
@@ -43,21 +42,10 @@ Spectrum = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]  # (eigenvalue
 
 
 class FactorSums(Protocol):
-    """What the scoring hooks add one factor's rows to: `rows()` (n x dim) or, for a dense sum, `gram()` =
+    """What one factor's rows are added to: `rows()` (n x dim) or, for a dense sum, `gram()` =
     rows^T rows (formed once by the caller for an input several weights share)."""
 
     def add(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None: ...
-
-
-def kfac_kind(module: nn.Module) -> str | None:
-    """ "linear" or "conv1d" when `module`'s weight can carry Kronecker factors, else None."""
-    kind = module_kind(module)
-    if kind not in ("linear", "conv1d"):
-        return None
-    weight = module.weight
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return None
-    return kind
 
 
 class DenseFactor:
@@ -75,7 +63,7 @@ class DenseFactor:
 
     def spectrum(self, count: float, rank: int | None, where: tuple[str, str, str]) -> Spectrum:
         """The top `rank` eigenpairs (all when None) and the tail of X = S / count (`where`: weight name, "A" or
-        "G", anchor name, for its errors): from the full `anchor.kfac.eigenbasis` when all are kept or the
+        "G", anchor name, for its errors): from the full `artifact.eigenbasis` when all are kept or the
         rank's `sketch_width` exceeds half the dimension, else by subspace iteration (`top_eigenpairs`, the
         trace exact): the full eigendecomposition was most of a rank-64 estimate's time."""
         name, which, anchor_name = where
@@ -134,6 +122,10 @@ class KroneckerSums:
         cls, in_features: int, out_features: int, device: torch.device, rank: int | None = None
     ) -> "KroneckerSums":
         return cls(factor_sums(in_features, rank, device), factor_sums(out_features, rank, device))
+
+    def add_inputs(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None:
+        """S_A += gram() (or its sketch of rows()): the layer inputs at the unpadded positions (`base.LayerSums`)."""
+        self.inputs.add(rows, gram)
 
     def add_output_grads(self, g: torch.Tensor, mask: torch.Tensor) -> None:
         """S_G += sum over the unpadded positions of g g^T; g: (B, T, out)."""

@@ -1,4 +1,4 @@
-"""What an anchor's K-FAC part reads as coordinate by coordinate, computed when read (a weight at a time, so a
+"""What an anchor's Kronecker part reads as coordinate by coordinate, computed when read (a weight at a time, so a
 streaming pass never holds them all): the eigenvalue of every coordinate of A_r (x) G_r (`AnchorWeights`, what the
 statistics and the free-drift threshold run over), the diagonal of A_r (x) G_r (`ImpliedDiagonal`, what `compare`
 reads), and the summaries `compare` and `inspect` show (`factor_cosines`, `kfac_summary`).
@@ -8,8 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ..ops.kfac import KroneckerBasis
-from .kfac import dense_factors, stored_parts, weight_shape
+from ...ops.kfac import KroneckerBasis
+from .artifact import dense_factors, stored_parts, weight_shape
 
 
 class RotatedWeights(Sequence[torch.Tensor]):

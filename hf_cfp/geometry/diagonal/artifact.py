@@ -1,5 +1,6 @@
-"""An anchor's F left in its safetensors files (`FisherAnchor.from_pretrained(..., lazy=True)`), read a tensor,
-or a part of one, at a time.
+"""The diagonal geometry's part of the anchor artifact: the values F may hold (`check_fisher_values`), and F left
+in its safetensors files (`FisherAnchor.from_pretrained(..., lazy=True)`), read a tensor, or a part of one, at a
+time. Its tensors are stored under their parameter names (the Kronecker part's keys carry a `kfac/` prefix).
 
 A process that keeps only pieces of the parameters (FSDP1, FSDP2, ZeRO-3) reads only the pieces of F it binds
 (`read_flat`, `read_block`: safetensors' `get_slice`), and whatever needs the whole of F (statistics, the free
@@ -13,29 +14,46 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ..names import canonical_name
-from .storage import StoredTensor, read_stored
-from .values import check_fisher_values
+from ...errors import AnchorValidationError
+from ...names import canonical_name
+from ..base import Stored
+
+
+def check_fisher_values(name: str, tensor: torch.Tensor, anchor_name: str) -> None:
+    """Raise AnchorValidationError naming the anchor and parameter when `tensor` holds NaN, Inf or F_i < 0: F is
+    finite and >= 0 (a mean of squared scores)."""
+    bad = ~torch.isfinite(tensor)
+    if bad.any():
+        raise AnchorValidationError(
+            f"Anchor {anchor_name!r}: parameter {name!r} has {int(bad.sum())} NaN/Inf Fisher values. "
+            "The anchor is corrupt or its estimation overflowed; re-estimate it (in float32)."
+        )
+    negative = tensor < 0
+    if negative.any():
+        raise AnchorValidationError(
+            f"Anchor {anchor_name!r}: parameter {name!r} has {int(negative.sum())} negative Fisher values "
+            f"(min {float(tensor.min()):.3g}). A diagonal Fisher is a mean of squares; re-estimate the anchor."
+        )
 
 
 class LazyFisher(Mapping[str, torch.Tensor]):
     """name -> F as a float32 CPU tensor, read from the files at each access (nothing is kept), its values
-    checked as they are read (finite, >= 0: `values.check_fisher_values`). Names, shapes and stored dtypes come
+    checked as they are read (finite, >= 0: `check_fisher_values`). Names, shapes and stored dtypes come
     from the headers, read once. `bytes_read` counts the stored bytes this object has read so far.
 
     Args:
-        stored: stored name -> where it lies (`storage.stored_tensors`); names are made canonical.
+        stored: stored name -> where it lies (`anchor.storage.stored_tensors`); names are made canonical.
         anchor_name: the anchor's name, for error messages.
     """
 
-    def __init__(self, stored: Mapping[str, StoredTensor], anchor_name: str):
+    def __init__(self, stored: Mapping[str, Stored], anchor_name: str):
         self._stored = {canonical_name(name): (name, entry) for name, entry in stored.items()}
         self.anchor_name = anchor_name
         self.bytes_read = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
         stored_name, entry = self._stored[name]
-        return self._checked(name, read_stored(stored_name, entry), entry.shape.numel())
+        return self._checked(name, entry.read(stored_name), entry.shape.numel())
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._stored)
@@ -58,7 +76,7 @@ class LazyFisher(Mapping[str, torch.Tensor]):
             return torch.empty(0, dtype=torch.float32)
         row = math.prod(entry.shape[1:])
         first, last = (start // row, -(-stop // row)) if entry.shape else (0, 1)
-        rows = read_stored(stored_name, entry, (slice(first, last),) if entry.shape else None)
+        rows = entry.read(stored_name, (slice(first, last),) if entry.shape else None)
         part = rows.reshape(-1)[start - first * row : stop - first * row].clone()
         return self._checked(name, part, (last - first) * row)
 
@@ -68,7 +86,7 @@ class LazyFisher(Mapping[str, torch.Tensor]):
         if math.prod(lengths) == 0:
             return torch.empty(tuple(lengths))
         index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True)) or None  # 0-d: read whole
-        return self._checked(name, read_stored(stored_name, entry, index), math.prod(lengths))
+        return self._checked(name, entry.read(stored_name, index), math.prod(lengths))
 
     def _checked(self, name: str, tensor: torch.Tensor, elements_read: int) -> torch.Tensor:
         self.bytes_read += elements_read * self._stored[name][1].dtype.itemsize

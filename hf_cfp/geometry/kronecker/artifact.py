@@ -1,6 +1,6 @@
-"""The Kronecker-factored part of an anchor: per Linear-like weight W (out x in), F_W ~ A (x) G kept as the top
-eigenpairs of A (in x in) and G (out x out) and, for a factor that keeps fewer than all, its tail (the mean of the
-eigenvalues left out, `ops.kfac`), stored in the same safetensors files as the diagonal F under the keys
+"""The Kronecker geometry's part of the anchor artifact: per Linear-like weight W (out x in), F_W ~ A (x) G kept as
+the top eigenpairs of A (in x in) and G (out x out) and, for a factor that keeps fewer than all, its tail (the mean
+of the eigenvalues left out, `ops.kfac`), stored in the same safetensors files as the diagonal F under the keys
 `kfac/<parameter name>/<part>` (parameter names never hold a `/`, so the keys cannot collide). The tails are
 0-dim tensors `a_tail` / `g_tail`, present for a truncated factor only (an anchor saved before tails existed
 reads as a tail of 0).
@@ -16,10 +16,10 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ..errors import AnchorValidationError, CFPArgumentError
-from ..names import canonical_name
-from ..ops.kfac import KroneckerBasis
-from .storage import StoredTensor, read_stored
+from ...errors import AnchorValidationError, CFPArgumentError
+from ...names import canonical_name
+from ...ops.kfac import KroneckerBasis
+from ..base import Stored
 
 KFAC_PREFIX = "kfac/"
 PARTS = ("a_vectors", "a_values", "g_vectors", "g_values")
@@ -267,7 +267,7 @@ class LazyBases(Mapping[str, KroneckerBasis]):
     """weight name -> its K-FAC basis, read from the anchor's files at each access and checked (`check_basis`);
     `rows` reads only some rows of U_G (a process holding rows of the weight, FSDP2)."""
 
-    def __init__(self, stored: Mapping[str, StoredTensor], anchor_name: str):
+    def __init__(self, stored: Mapping[str, Stored], anchor_name: str):
         self._stored, self.anchor_name = stored, anchor_name
         self._names = kfac_weight_names(iter(stored))
 
@@ -288,7 +288,7 @@ class LazyBases(Mapping[str, KroneckerBasis]):
                     f"Anchor {self.anchor_name!r}: the K-FAC basis of {name!r} lacks {part!r}; the anchor is corrupt."
                 )
             index = (rows,) if part == "g_vectors" and rows is not None else None
-            parts[part] = read_stored(key, self._stored[key], index)
+            parts[part] = self._stored[key].read(key, index)
         basis = KroneckerBasis(**parts)
         if rows is None:
             check_basis(name, basis, self.anchor_name)
@@ -317,7 +317,7 @@ def weight_shape(bases: Mapping[str, KroneckerBasis], name: str) -> tuple[int, i
 
 def split_stored(stored: Mapping, anchor_name: str, lazy: bool) -> tuple[dict, Mapping[str, KroneckerBasis]]:
     """(the diagonal part, the K-FAC bases) of an anchor's stored tensors: read tensors (`read_bases`) or, lazily,
-    their `StoredTensor` entries (`LazyBases`)."""
+    where they lie (`anchor.storage.StoredTensor` entries, `LazyBases`)."""
     diagonal = {key: value for key, value in stored.items() if not is_kfac_key(key)}
     kronecker = {key: value for key, value in stored.items() if is_kfac_key(key)}
     if lazy:

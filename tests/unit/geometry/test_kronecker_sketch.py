@@ -1,5 +1,5 @@
-"""FactorSketch (hf_cfp.fisher.kfac_sketch) against the dense float64 eigendecomposition (torch.linalg.eigh) of the
-formed factor X = (1/n) sum_t x_t x_t^T over the same float32 rows.
+"""FactorSketch (hf_cfp.geometry.kronecker.sketch) against the dense float64 eigendecomposition (torch.linalg.eigh) of
+the formed factor X = (1/n) sum_t x_t x_t^T over the same float32 rows.
 
 Measured on the realistic spectrum (`spectrum_rows`: eigenvalues k^-1.5 with three outliers at 400, 150, 60; dim
 256, rank 16, 2000 rows in 7 `add` calls, sketch seed 0, default oversample 48 so l = 64): one pass gives the three
@@ -11,9 +11,9 @@ for a sketch that returned Omega's own columns (sin 0.9994)."""
 import pytest
 import torch
 
-from hf_cfp.anchor.kfac import eigenbasis
-from hf_cfp.fisher.kfac_factors import DenseFactor
-from hf_cfp.fisher.kfac_sketch import FactorSketch, top_eigenpairs
+from hf_cfp.geometry.kronecker.artifact import eigenbasis
+from hf_cfp.geometry.kronecker.factors import DenseFactor
+from hf_cfp.geometry.kronecker.sketch import FactorSketch, top_eigenpairs
 
 CPU = torch.device("cpu")
 

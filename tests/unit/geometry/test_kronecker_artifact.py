@@ -1,9 +1,11 @@
-"""K-FAC bases of an anchor (`anchor.kfac`): decomposition of dense factors, validation, stored keys."""
+"""K-FAC bases of an anchor (`geometry.kronecker.artifact`): decomposition of dense factors, validation, stored
+keys."""
 
 import pytest
 import torch
 
-from hf_cfp.anchor.kfac import (
+from hf_cfp.errors import AnchorValidationError
+from hf_cfp.geometry.kronecker.artifact import (
     basis_from_factors,
     basis_tensors,
     check_basis,
@@ -11,8 +13,7 @@ from hf_cfp.anchor.kfac import (
     kfac_weight_names,
     read_bases,
 )
-from hf_cfp.anchor.kfac_views import RotatedWeights
-from hf_cfp.errors import AnchorValidationError
+from hf_cfp.geometry.kronecker.views import RotatedWeights
 
 
 def psd(n: int, seed: int, rank: int | None = None) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""What every geometry provides, and what the layers around it hand it.
+
+The scoring pass (`fisher`) knows no geometry. It scores the parameters of a model and hands what it computes to
+the sinks of the anchor's structure (`registry.structure`): per-sequence squared scores into the accumulators a
+sink gives for its parameters (`EstimateSink.squares`), and, for a Linear-like layer whose weight a sink factors,
+the layer's inputs and output gradients (`LayerSums`). Each sink then turns its sums into its part of the anchor
+(`EstimatePart`). An anchor read from its files hands a geometry's artifact part the tensors it stores, or where
+they lie (`Stored`, for lazy reads).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One parameter the scoring pass covers: its canonical name, the tensor, and, when exactly one module owns it
+    as the 2-D weight of a layer y_t = W a_t + c whose inputs a_t and output gradients the pass can hand out
+    (`fisher.module_kinds.layer_kind`: "linear", or "conv1d" for GPT-2's Conv1D, which stores W^T), that kind and
+    the module; else None for both."""
+
+    name: str
+    param: torch.Tensor
+    layer: str | None = None
+    module: torch.nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class EstimatePlan:
+    """What every sink of one estimate is told: N, the calibration sequences; `half`, the first half's count (the
+    split-half statistics; 0 for none); `rank`, the eigenpairs a factor keeps (None: all); the anchor's name; and
+    whether to show progress bars."""
+
+    num_sequences: int
+    half: int
+    rank: int | None
+    anchor_name: str
+    show_progress: bool = False
+
+
+class LayerSums(Protocol):
+    """What the scoring pass adds one factored layer's statistics to, over the unpadded positions it scores."""
+
+    def add_inputs(self, rows: Callable[[], torch.Tensor], gram: Callable[[], torch.Tensor]) -> None:
+        """The layer inputs: `rows()`, the inputs a_t (n x in), or `gram()` = rows^T rows (formed once by the
+        caller for an input several layers share)."""
+        ...
+
+    def add_output_grads(self, g: torch.Tensor, mask: torch.Tensor) -> None:
+        """The output gradients g (B, T, out) of one call, at the unpadded positions `mask` (B, T)."""
+        ...
+
+
+@dataclass
+class EstimatePart:
+    """A sink's part of the anchor: diagonal F by name (float32, CPU), eigenbases by weight name, the split-half
+    statistics (None when the sink has none), and metadata entries to add."""
+
+    fisher: dict[str, torch.Tensor] = field(default_factory=dict)
+    kfac: dict[str, Any] = field(default_factory=dict)
+    split_half: dict | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class EstimateSink(Protocol):
+    """The running sums of one geometry in an estimate.
+
+    The scoring pass calls `squares` and `layers` for every group of samples it scores, `positions` with the
+    positions the group fed to the forward, then all-reduces `reduced()` (on the parameters' device) and
+    `counts()` (float64 on `parallel.collective_device()`); when `replays`, it keeps the groups, and after the
+    all-reduce scores them again into `refine()`'s layers and all-reduces `refined()`; then `finish()`."""
+
+    params: list[torch.Tensor]  # the parameters scored (they need gradients while the estimate runs)
+    replays: bool  # whether it asks for a second pass over the scored groups
+
+    def squares(self, first_half: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, float32 accumulator) pairs: the pass adds sum_b (d/dtheta log mu_b)^2 to each."""
+        ...
+
+    def layers(self) -> list[tuple[torch.Tensor, LayerSums]]:
+        """(weight, its layer sums) pairs: the pass adds the weight's layer inputs and output gradients."""
+        ...
+
+    def positions(self, count: int) -> None:
+        """The group just scored fed `count` positions (prompt and response tokens) to the forward."""
+        ...
+
+    def reduced(self) -> list[torch.Tensor]: ...
+
+    def counts(self) -> list[torch.Tensor]: ...
+
+    def refine(self) -> list[tuple[torch.Tensor, LayerSums]]:
+        """The layers of a second pass over the same groups ([] when none), after the first pass's all-reduce."""
+        ...
+
+    def refined(self) -> list[torch.Tensor]:
+        """The second pass's sums, to be all-reduced before `finish`."""
+        ...
+
+    def finish(self) -> EstimatePart: ...
+
+
+class Stored(Protocol):
+    """Where one stored tensor lies (`anchor.storage.StoredTensor`): its full shape and stored dtype, read from
+    the headers, and a read of it, or of a part of it (one slice per leading dimension), as float32."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """One registered geometry (`registry`): its name, which of the scored parameters it describes (`claim`, of
+    those the geometries before it in a structure left), and the sink of its estimate over them."""
+
+    name: str
+    claim: Callable[[Sequence[Scored]], list[Scored]]
+    sink: Callable[[list[Scored], EstimatePlan], EstimateSink]
