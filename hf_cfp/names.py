@@ -104,6 +104,11 @@ ADAPTER_RESIDUAL = LoggedMetric(
     "the share of the CFP target `Delta / (1 + lam F)` the LoRA factors could not represent",
     "every logging step on a PeftModel with LoRA-adapted weights, for the first protecting anchor",
 )
+SUMMED_ITERATIONS = LoggedMetric(
+    "cfp/summed_iterations",
+    "the conjugate-gradient iterations per weight of the last correction's summed proximal map",
+    "every logging step when several protecting anchors cover a K-FAC weight",
+)
 TOP1_OVERLAP_NOW = LoggedMetric(
     "cfp/<anchor>/top1_overlap_now",
     "the share of the anchor's top-1% coordinates still in the top 1% of F re-estimated at the current weights",
@@ -131,6 +136,7 @@ LOGGED_METRICS = (
     TOTAL_DRIFT,
     LAM,
     ADAPTER_RESIDUAL,
+    SUMMED_ITERATIONS,
     TOP1_OVERLAP_NOW,
     MEASURED_KL,
     KL_TO_BASE,

@@ -48,7 +48,8 @@ class FisherAnchor:
 
     Raises:
         AnchorValidationError: no tensors, a NaN, infinite or negative value (named with its parameter), a K-FAC
-            factor that is not a finite symmetric PSD matrix, or a name that cannot be a metric key and Hub path.
+            factor that is not a finite symmetric PSD matrix, a weight given both a diagonal F and factors, or a
+            name that cannot be a metric key and Hub path.
     """
 
     def __init__(
@@ -62,6 +63,13 @@ class FisherAnchor:
         self.kfac: Mapping[str, KroneckerBasis] = kronecker_bases(kfac, self.name)
         if not fisher and not self.kfac:
             raise AnchorValidationError(f"Anchor {name!r} has no tensors; pass fisher={{param_name: tensor, ...}}.")
+        both = sorted({canonical_name(key) for key in fisher} & set(self.kfac))
+        if both:
+            raise AnchorValidationError(
+                f"Anchor {name!r} gives both a diagonal F and Kronecker factors for {both[:3]}"
+                f"{' and more' if len(both) > 3 else ''}: one anchor has one F per weight. Keep one of them, or make "
+                "the other a second anchor (several protecting anchors take the proximal map of their summed penalty)."
+            )
         self.fisher: Mapping[str, torch.Tensor]
         if isinstance(fisher, LazyFisher):
             self.fisher = fisher

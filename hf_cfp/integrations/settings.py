@@ -108,7 +108,8 @@ class ProtectionSettings:
         `Theta0Reader`) or the weights now.
 
         Raises:
-            CFPArgumentError: a predicted_kl_budget on a model with LoRA-adapted weights.
+            CFPArgumentError: a predicted_kl_budget on a model with LoRA-adapted weights, or with several
+                protecting anchors on a K-FAC weight (`protection.summed`).
         """
         protection = CFPState(
             model, anchors, self.monitors, self.free_fraction, optimizer, theta0, self.lora_rule, self.memory
@@ -119,6 +120,8 @@ class ProtectionSettings:
                 "in part, so the budget could not be held. Use lam or kl_budget on a PeftModel (or full-parameter "
                 "training)."
             )
+        if self.strength.predicted_kl_budget is not None and protection.summed:
+            protection.summed.budget_terms(self.strength.predicted_kl_budget)  # raises: says what to do
         return protection
 
 

@@ -230,15 +230,23 @@ def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
 def shrink_factors(
     basis: KroneckerBasis, projection: Projection, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(L, R, w_tt) with shrink = L R + w_tt D (module docstring), in the eigenvectors' dtype, the rows held here:
-    L = [U_G, (w_tk - w_tt) M] (rows x (r_G + r_A)), R = [(w_kt - w_tt) N + (core P) U_A^T ; U_A^T]; without a
-    tail L = U_G (w_kk P) (rows x r_A), R = U_A^T and w_tt None."""
-    shares = [pulled_share(w, lam) for w in basis.block_weights()]
+    """(L, R, w_tt) with shrink = L R + w_tt D: `block_factors` with the pulled shares w = lam e / (1 + lam e)."""
+    return block_factors(basis, projection, [pulled_share(w, lam) for w in basis.block_weights()])
+
+
+def block_factors(
+    basis: KroneckerBasis, projection: Projection, scales: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(L, R, s_tt) with L R + s_tt D = the sum over the blocks of s_b x D's component in block b, for one scale
+    s_b per block (shaped like `KroneckerBasis.block_weights`), in the eigenvectors' dtype, the rows held here:
+    L = [U_G, (s_tk - s_tt) M] (rows x (r_G + r_A)), R = [(s_kt - s_tt) N + (core P) U_A^T ; U_A^T] with
+    core = s_kk - s_kt - s_tk + s_tt; without a tail L = U_G (s_kk P) (rows x r_A), R = U_A^T and s_tt None.
+    With s = w it is the correction's shrink (`shrink_factors`); with s = lam e it is lam (G_r (x) A_r) vec(D)."""
     dtype, a_t = basis.a_vectors.dtype, basis.a_vectors.transpose(-2, -1)
     if not basis.tailed:
-        return basis.g_vectors @ (projection.kept * shares[0]).to(dtype), a_t, None
+        return basis.g_vectors @ (projection.kept * scales[0]).to(dtype), a_t, None
     assert projection.rows is not None and projection.columns is not None
-    kk, kt, tk, tt = shares
+    kk, kt, tk, tt = scales
     kt, tk = kt - tt.unsqueeze(-1), tk - tt.unsqueeze(-1)
     core = (kk - kt.unsqueeze(-1) - tk.unsqueeze(-2) - tt[..., None, None]) * projection.kept
     rows = (kt.unsqueeze(-1) * projection.rows).to(dtype) + core.to(dtype) @ a_t

@@ -71,6 +71,8 @@ class DiagonalTensors:
         protecting: the protecting anchors' names, in the order of the lams.
         thresholds: every anchor's free-drift threshold, by name, in the order of the metrics.
         sparse: the kept coordinates of the protected tensors (`sparse.SparseCorrection`), or None (dense).
+        summed: the weights under several protecting anchors, some K-FAC (`summed.SummedTensors` corrects them):
+            measured here, not corrected.
     """
 
     def __init__(
@@ -79,9 +81,11 @@ class DiagonalTensors:
         protecting: Sequence[str],
         thresholds: Mapping[str, float],
         sparse: SparseCorrection | None = None,
+        summed: Sequence[TrackedTensor] = (),
     ):
         self.tensors, self.sparse = tensors, sparse
-        protected = [t for t in tensors if t.covered_by(protecting)]
+        solved = {id(t) for t in summed}
+        protected = [t for t in tensors if t.covered_by(protecting) and id(t) not in solved]
         self.protected = PullPart.of(protected, protecting)
         self.replicated_drift = DriftPart.of([t for t in tensors if not t.sharded], thresholds)
         self.sharded_drift = DriftPart.of([t for t in tensors if t.sharded], thresholds)

@@ -149,15 +149,21 @@ class KroneckerTensors:
     Args:
         views: every anchor's view (`records.AnchorView`), in the order of the metrics.
         protecting: the protecting anchors' names, in the order of the lams.
+        summed: the weights under several protecting anchors (`summed.SummedTensors` corrects and measures them),
+            left out here.
     """
 
-    def __init__(self, views: Mapping[str, AnchorView], protecting: Sequence[str]):
+    def __init__(
+        self, views: Mapping[str, AnchorView], protecting: Sequence[str], summed: Sequence[TrackedTensor] = ()
+    ):
         self.order = list(views)
+        solved = {id(t) for t in summed}
+        own = {name: [t for t in view.kronecker if id(t) not in solved] for name, view in views.items()}
         self.groups = [
-            _Factored(name, [t for t in view.kronecker if t.sharded == sharded], sharded)
-            for name, view in views.items()
+            _Factored(name, [t for t in tensors if t.sharded == sharded], sharded)
+            for name, tensors in own.items()
             for sharded in (False, True)
-            if any(t.sharded == sharded for t in view.kronecker)
+            if any(t.sharded == sharded for t in tensors)
         ]
         self.thresholds = {name: view.threshold for name, view in views.items()}
         self.protecting = list(protecting)
@@ -251,25 +257,20 @@ class _Strengths(Sequence[torch.Tensor]):
 
 
 def refuse_unsolvable(
-    tracked: Sequence[TrackedTensor],
-    adapted: Sequence[AdaptedTensor],
-    protecting: Sequence[str],
-    memory: MemoryPlan,
-    kronecker: KroneckerTensors,
+    adapted: Sequence[AdaptedTensor], protecting: Sequence[str], memory: MemoryPlan, kronecker: KroneckerTensors
 ) -> None:
-    """CFPArgumentError for what has no exact correction with K-FAC anchors: a weight factored by one protecting
-    anchor and covered by another (the summed penalty sum_k lam_k F_k has no common eigenbasis, so no closed-form
-    proximal map), and a sparse plan (it keeps coordinates of a diagonal F)."""
-    for name, diagonal, factored in [(t.name, t.fisher, t.kfac) for t in tracked] + [
-        (a.weight.name, a.fisher, a.kfac) for a in adapted
-    ]:
-        factoring = [a for a in protecting if a in factored]
-        covering = [a for a in protecting if a in diagonal or a in factored]
+    """CFPArgumentError for what has no exact correction with K-FAC anchors: a LoRA-adapted weight factored by one
+    protecting anchor and covered by another (the adapter rules solve one anchor's closed form), and a sparse plan
+    (it keeps coordinates of a diagonal F)."""
+    for a in adapted:
+        factoring = [name for name in protecting if name in a.kfac]
+        covering = [name for name in protecting if name in a.fisher or name in a.kfac]
         if factoring and len(covering) > 1:
             raise CFPArgumentError(
-                f"Protecting anchors {covering} all cover {name!r}, and {factoring[0]!r} is Kronecker-factored: the "
-                "sum of their penalties has no closed-form proximal step. Protect with one of them and pass the "
-                "others as monitor= (their drift is still logged)."
+                f"Protecting anchors {covering} all cover the LoRA-adapted weight {a.weight.name!r}, and "
+                f"{factoring[0]!r} is Kronecker-factored: the LoRA rules solve one K-FAC anchor per adapted weight. "
+                "Protect it with one of them and pass the others as monitor= (their drift is still logged), or "
+                "train the weight in full (several protecting anchors are solved exactly on full weights)."
             )
     if memory.sparse is not None and kronecker.protected():
         raise CFPArgumentError(

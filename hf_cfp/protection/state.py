@@ -11,7 +11,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
-from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, drift_keys
+from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, SUMMED_ITERATIONS, drift_keys
 from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
@@ -23,6 +23,7 @@ from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
 from .peft_adapters import adapted_drift_sq, peft_view
 from .records import AdaptedTensor, adapted_tensors, anchor_views, track
+from .summed import SummedTensors, summed_tensors
 from .theta0 import Theta0Pieces, Theta0Reader
 
 
@@ -30,9 +31,11 @@ class CFPState:
     """Binds protecting anchors and monitor anchors to `model` and snapshots theta0.
 
     theta0 is kept for every trainable parameter any anchor covers, so `cfp/total_drift` = ||theta - theta0|| runs
-    over that union. Only the protecting anchors correct: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k F_k),
-    one pass. theta0 and F are this process's part of each parameter (the local shard of a DTensor); the free-drift
-    threshold comes from the anchor's full F, so it is the same on every process.
+    over that union. Only the protecting anchors correct, by the proximal map of their summed penalty: theta <- theta0
+    + (theta - theta0) / (1 + sum_k lam_k F_k) on diagonal coordinates, one pass; one K-FAC anchor's closed form on a
+    weight it alone protects; conjugate gradient on a weight several protect, one of them K-FAC (`summed`). theta0
+    and F are this process's part of each parameter (the local shard of a DTensor); the free-drift threshold comes
+    from the anchor's full F, so it is the same on every process.
 
     On a `peft.PeftModel` the anchors are keyed by the base model's names (`peft_adapters`): trained base parameters
     (`modules_to_save` copies, trained biases) bind as above, and a LoRA-adapted base weight is measured by its
@@ -43,7 +46,8 @@ class CFPState:
     threshold); `diagonal`, the tensors whose F is a diagonal, with the lists the per-step ops take (`diagonal`);
     `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F is one
     `geometry.Geometry` in `geometries` (`diagonal`, the tensors whose F is a diagonal; `kronecker`, the weights
-    K-FAC anchors factor): every method below runs them alike, with no branch on the structure.
+    K-FAC anchors factor; `summed`, the weights under several protecting anchors, some K-FAC): every method below
+    runs them alike, with no branch on the structure.
 
     Args:
         model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
@@ -87,12 +91,15 @@ class CFPState:
             theta0.restore_lora([a.weight for a in adapted])  # the path's origin: the factors at train begin
         tracked = track(bound, memory, theta0, factored)
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
-        kronecker = KroneckerTensors(views, names)
-        refuse_unsolvable(tracked, adapted, names, memory, kronecker)
+        several = summed_tensors(tracked, names)
+        kronecker = KroneckerTensors(views, names, several)
+        refuse_unsolvable(adapted, names, memory, kronecker)
         sparse, report = (
             sparse_correction(memory, protecting, bound, tracked) if memory.sparse is not None else (None, None)
         )
-        diagonal = DiagonalTensors(tracked, names, {name: v.threshold for name, v in views.items()}, sparse)
+        thresholds = {name: v.threshold for name, v in views.items()}
+        diagonal = DiagonalTensors(tracked, names, thresholds, sparse, several)
+        summed = SummedTensors(several, views, names)
         adapters = _adapter_correction(adapted, names, lora_rule)
         # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
         protected = diagonal.protected
@@ -100,7 +107,7 @@ class CFPState:
         master = master_correction(
             model, optimizer, params, protected.theta0, protected.rows, followed=adapters.factor_params()
         )
-        if master is not None and (sparse is not None or kronecker):
+        if master is not None and (sparse is not None or kronecker or summed):
             raise CFPArgumentError(
                 "Under DeepSpeed ZeRO, CFP supports dense diagonal anchors only (no sparse plan, no K-FAC anchor): "
                 "use a dense memory plan, a diagonal anchor, or FSDP2 / DDP for a K-FAC anchor."
@@ -108,7 +115,8 @@ class CFPState:
         self.model, self.memory, self.protecting = model, memory, names
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
-        self.geometries: tuple[Geometry, ...] = (diagonal, kronecker)
+        self.summed = summed
+        self.geometries: tuple[Geometry, ...] = (diagonal, kronecker, summed)
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
@@ -238,6 +246,8 @@ class CFPState:
             metrics[LAM.key(name)] = lam
         if self.adapters.residual is not None:
             metrics[ADAPTER_RESIDUAL.key(self.protecting[0])] = self.adapters.residual
+        if self.summed:
+            metrics[SUMMED_ITERATIONS.key()] = self.summed.mean_iterations
         return metrics
 
 

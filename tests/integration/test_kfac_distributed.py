@@ -14,6 +14,7 @@ import torch
 from support.distributed import (
     KEYS,
     ROWS,
+    SAFETY_PROMPTS,
     estimate_kfac_anchor,
     loop_run,
     make_kfac_callback,
@@ -43,14 +44,22 @@ def tailed_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def anchors(kfac_dir, tailed_dir):
-    return {"": kfac_dir, "_tailed": tailed_dir}
+def safety_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("kfac-safety-anchor")
+    estimate_kfac_anchor(make_model(), rank=3, name="safety", prompts=SAFETY_PROMPTS).save_pretrained(directory)
+    return directory
 
 
 @pytest.fixture(scope="module")
-def ranks(kfac_dir, tailed_dir, tmp_path_factory):
+def anchors(kfac_dir, tailed_dir, safety_dir):
+    """What protects each run: one K-FAC anchor (full rank, rank 3 with tails), or two summed (`_summed`)."""
+    return {"": kfac_dir, "_tailed": tailed_dir, "_summed": [tailed_dir, safety_dir]}
+
+
+@pytest.fixture(scope="module")
+def ranks(kfac_dir, tailed_dir, safety_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("kfac-distributed")
-    run = run_worker("kfac_distributed_worker.py", out, kfac_dir, tailed_dir)
+    run = run_worker("kfac_distributed_worker.py", out, kfac_dir, tailed_dir, safety_dir)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
@@ -80,7 +89,8 @@ def check_equal_to_one_process(ranks, mode, single, single_logs, plain):
     assert max_diff(two, ranks[1][f"{mode}_params"]) == 0  # every process made the same correction
     diff, effect = max_diff(two, single), max_diff(single, plain)
     assert diff <= 1e-5 and effect > 1000 * max(diff, 1e-7), (mode, diff, effect)
-    for key in KEYS:
+    keys = (*KEYS, "cfp/safety/sensitive_drift", "cfp/safety/free_drift") if mode.endswith("_summed") else KEYS
+    for key in keys:
         assert ranks[0][f"{mode}_logs"][key] == ranks[1][f"{mode}_logs"][key], (mode, key)
         assert ranks[0][f"{mode}_logs"][key] == pytest.approx(single_logs[key], rel=1e-5), (mode, key)
 
@@ -97,10 +107,12 @@ def test_sketched_factors_on_two_processes_equal_one_process(ranks, monkeypatch)
             assert torch.allclose(g, want_g, rtol=1e-3, atol=1e-4 * float(want_g.abs().max())), name
 
 
-@pytest.mark.parametrize("suffix", ["", "_tailed"])
+@pytest.mark.parametrize("suffix", ["", "_tailed", "_summed"])
 def test_ddp_equals_one_process(ranks, anchors, suffix, tmp_path):
-    """Each factored batch corrected by one process (both own some), the corrected weights shared."""
-    assert all(owned > 0 for r in ranks for owned in r[f"ddp{suffix}_owned"][:1])
+    """Each factored batch (each summed weight) corrected by one process (both own some), the corrected weights
+    shared."""
+    owned = [r[f"ddp{suffix}_owned"][-1 if suffix == "_summed" else 0] for r in ranks]
+    assert all(count > 0 for count in owned)
     model = make_model()
     callbacks = [make_kfac_callback(anchors[suffix])]
     single_logs = trainer_run(model, callbacks, tmp_path / "one", per_device_batch=ROWS)
@@ -109,10 +121,12 @@ def test_ddp_equals_one_process(ranks, anchors, suffix, tmp_path):
     check_equal_to_one_process(ranks, f"ddp{suffix}", trainable(model), single_logs, trainable(plain))
 
 
-@pytest.mark.parametrize("suffix", ["", "_tailed"])
+@pytest.mark.parametrize("suffix", ["", "_tailed", "_summed"])
 def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, anchors, suffix):
     sharded = ranks[0][f"fsdp2{suffix}_sharded"]
     assert sharded and sharded == ranks[1][f"fsdp2{suffix}_sharded"]
+    summed = ranks[0][f"fsdp2{suffix}_summed"]
+    assert bool(summed) == (suffix == "_summed") and set(sharded) <= set(summed or sharded)
     model = make_model()
     single_logs = loop_run(model, make_kfac_callback(anchors[suffix]), make_rows())
     plain = make_model()

@@ -93,12 +93,15 @@ def make_callback(model, **kwargs):
     return CFPCallback(math_anchor, lam=LAM, monitor=[code_anchor], **kwargs)
 
 
-def estimate_kfac_anchor(model, rank=None):
-    """A K-FAC anchor of `model` (seeded: the same on any number of processes), named `math`; `rank`: the top
-    eigenpairs kept per factor, with the mean of the rest as its tail."""
+SAFETY_PROMPTS = [[20, 21, 22], [23, 24, 25, 26], [27, 28]]
+
+
+def estimate_kfac_anchor(model, rank=None, name="math", prompts=((1, 2, 3, 4), (5, 6, 7), (8, 9, 10, 11, 12))):
+    """A K-FAC anchor of `model` (seeded: the same on any number of processes), named `name` (`math`; `safety` on
+    `SAFETY_PROMPTS`); `rank`: the top eigenpairs kept per factor, with the mean of the rest as its tail."""
     from hf_cfp import estimate_fisher
 
-    prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
+    prompts = [list(p) for p in prompts]
     return estimate_fisher(
         model,
         None,
@@ -110,15 +113,17 @@ def estimate_kfac_anchor(model, rank=None):
         structure="kfac",
         kfac_rank=rank,
         show_progress=False,
-        name="math",
+        name=name,
     )
 
 
 def make_kfac_callback(anchor, **kwargs):
-    """Protect with the K-FAC anchor `math` (a directory or an anchor) at a strength that moves the run, and
-    monitor `code` (a diagonal anchor of the MLPs); `kwargs` go to CFPCallback."""
+    """Protect with the K-FAC anchor `math` (a directory or an anchor; a list of them: several protecting anchors,
+    summed) at a strength that moves the run, and monitor `code` (a diagonal anchor of the MLPs); `kwargs` go to
+    CFPCallback."""
     code_anchor = FisherAnchor(random_fisher(make_model(), seed=2, keep=lambda n: "mlp" in n), name="code")
-    return CFPCallback(anchor, lam=KFAC_LAM, monitor=[code_anchor], **kwargs)
+    lam = [KFAC_LAM] * len(anchor) if isinstance(anchor, list) else KFAC_LAM
+    return CFPCallback(anchor, lam=lam, monitor=[code_anchor], **kwargs)
 
 
 def make_lora_model():

@@ -1,7 +1,8 @@
 """One process of `tests/integration/test_kfac_distributed.py`, launched by `torchrun --nproc_per_node 2` (gloo).
 
 With each K-FAC anchor the test process estimated and saved (`<anchor>` at full rank, `<tailed>` at rank 3 with
-the mean tails; loaded lazily here: under FSDP2 each process reads the rows of U_G it needs), it
+the mean tails; loaded lazily here: under FSDP2 each process reads the rows of U_G it needs), and with `<tailed>`
+and `<safety>` (rank 3, other prompts) protecting together (suffix `_summed`: the summed proximal map), it
 
 - estimates the same K-FAC anchor on 2 processes (batches split, factor sums all-reduced): `estimated`, and a
   rank-3 one whose factors wider than 20 are sketched (sketches all-reduced, then refined): `sketched`;
@@ -28,19 +29,22 @@ from support.distributed import (
 )
 
 
-def main(out, anchor, tailed):
+def main(out, anchor, tailed, safety):
     import torch.distributed as dist
 
     from hf_cfp.geometry.kronecker import factors as kfac_factors
 
     results = {}
-    for suffix, directory in (("", anchor), ("_tailed", tailed)):
+    for suffix, directory in (("", anchor), ("_tailed", tailed), ("_summed", [tailed, safety])):
         model = make_model()
         callback = make_kfac_callback(directory)
         results[f"ddp{suffix}_logs"] = trainer_run(model, [callback], f"{out}/ddp{suffix}", per_device_batch=ROWS // 2)
         rank, world = dist.get_rank(), dist.get_world_size()  # the Trainer initialized the process group
         results[f"ddp{suffix}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-        results[f"ddp{suffix}_owned"] = [sum(g.owned) for g in callback.protection.kronecker.groups]
+        protection = callback.protection
+        results[f"ddp{suffix}_owned"] = [sum(g.owned) for g in protection.kronecker.groups] + [
+            sum(protection.summed.owned)
+        ]
         results.update(fsdp2_run(directory, rank, world, suffix))
     estimated = estimate_kfac_anchor(make_model())
     results["estimated"] = {n: estimated.kfac_factors(n) for n in estimated.kfac_names}
@@ -77,8 +81,9 @@ def fsdp2_run(anchor, rank: int, world: int, suffix: str) -> dict:
         f"fsdp2{suffix}_logs": loop_run(model, callback, make_rows()[rank::world]),
         f"fsdp2{suffix}_params": {n: p.full_tensor().detach() for n, p in model.named_parameters()},
         f"fsdp2{suffix}_sharded": [t.name for t in callback.protection.tensors if t.sharded and t.kfac],
+        f"fsdp2{suffix}_summed": [t.name for t in callback.protection.summed.tensors],
     }
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    main(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]))

@@ -89,3 +89,14 @@ def test_factor_space_has_no_kfac_form():
     _, anchor, model = lora_setup(seed=2)
     with pytest.raises(CFPArgumentError, match="factor_space.*Kronecker-factored"):
         CFPState(model, anchor, lora_rule="factor_space")
+
+
+def test_several_protecting_anchors_on_an_adapted_weight_are_refused_with_what_to_do():
+    weights, anchor, model = lora_setup(rank=3)
+    base = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=0)  # the same base weights, without adapters
+    other = estimate_fisher(
+        base, None, [[6, 7]], num_sequences=4, max_new_tokens=3, show_progress=False, name="safety"
+    )
+    with pytest.raises(CFPArgumentError, match="LoRA-adapted weight.*monitor="):
+        CFPState(model, [anchor, other])
+    CFPState(model, anchor, monitors=[other])  # measured, not corrected: accepted

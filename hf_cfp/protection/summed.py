@@ -1,0 +1,171 @@
+"""The weights several protecting anchors cover, some of them with Kronecker factors: corrected by the exact
+proximal map of the summed penalty (`ops.kfac_summed`), measured per anchor in each anchor's eigenbasis.
+
+A weight joins when a protecting K-FAC anchor factors it and another protecting anchor covers it (factored or
+with a diagonal F); every other weight keeps one anchor's closed form (`kronecker.KroneckerTensors`,
+`diagonal.DiagonalTensors`). Weights are solved one at a time. A weight held whole on several processes (DDP) is
+solved by one owning process (`kronecker.balanced_owners`, by the products one iteration costs) and the corrected
+weights reach the others in one all-reduce per correction; a row-sharded one (FSDP2) is solved by every process on
+its rows, each projection and dot product completed by an all-reduce.
+
+The KL budget's closed-form solve (`predicted_kl_budget`) has no form for a summed penalty and is refused; the
+measured-KL controller (`kl_budget`) needs none.
+"""
+
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from ..anchor.kfac import stored_parts
+from ..errors import CFPArgumentError
+from ..ops.kfac import kfac_drift_squares
+from ..ops.kfac_summed import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
+from ..parallel import all_reduce_sum_, process_rank_and_count
+from .kronecker import balanced_owners
+from .records import AnchorView, TrackedTensor
+
+
+def summed_tensors(tracked: Sequence[TrackedTensor], protecting: Sequence[str]) -> list[TrackedTensor]:
+    """The tracked tensors a protecting K-FAC anchor factors and at least one other protecting anchor covers."""
+    return [
+        t
+        for t in tracked
+        if any(name in t.kfac for name in protecting)
+        and sum(name in t.kfac or name in t.fisher for name in protecting) > 1
+    ]
+
+
+def _reduce(sharded: bool):
+    """An all-reduce for a row-sharded weight's partial sums; nothing for one held whole."""
+    return all_reduce_sum_ if sharded else (lambda tensors: None)
+
+
+class SummedTensors:
+    """The weights under a summed penalty, with every anchor's basis on them for the drift metrics.
+
+    Args:
+        tensors: the weights (`summed_tensors`).
+        views: every anchor's view, in the order of the metrics.
+        protecting: the protecting anchors' names, in the order of the lams.
+    """
+
+    def __init__(self, tensors: list[TrackedTensor], views: Mapping[str, AnchorView], protecting: Sequence[str]):
+        self.tensors, self.protecting = tensors, list(protecting)
+        self.order, self.thresholds = list(views), {name: view.threshold for name, view in views.items()}
+        self.dtypes = [torch.float64 if t.param.dtype == torch.float64 else torch.float32 for t in tensors]
+        self.bases = [
+            {name: basis.placed(basis.a_vectors.device, dtype) for name, basis in t.kfac.items()}
+            for t, dtype in zip(tensors, self.dtypes, strict=True)
+        ]
+        rank, world = process_rank_and_count()
+        self.split = world > 1 and any(not t.sharded for t in tensors)
+        costs = [t.param.numel() * sum(b.a_values.shape[-1] for b in bases.values()) for t, bases in self._pairs()]
+        owners = balanced_owners(costs, world) if self.split else [rank] * len(tensors)
+        self.owned = [owner == rank or t.sharded for owner, t in zip(owners, tensors, strict=True)]
+        self.mean_iterations = 0.0  # conjugate-gradient iterations per weight in the last correction
+        self._warned: set[str] = set()
+
+    def _pairs(self):
+        return zip(self.tensors, self.bases, strict=True)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+    def penalty(self, i: int, lams: Sequence[float]) -> SummedPenalty:
+        """Weight i's summed penalty with the protecting anchors' lams (its out x in orientation)."""
+        t, bases = self.tensors[i], self.bases[i]
+        factored = [
+            (bases[name], float(lam)) for name, lam in zip(self.protecting, lams, strict=True) if name in bases
+        ]
+        rows = [(t.fisher[name], lam) for name, lam in zip(self.protecting, lams, strict=True) if name in t.fisher]
+        diagonal = None
+        if rows:
+            diagonal = sum(t.oriented(f).to(self.dtypes[i]) * float(lam) for f, lam in rows)
+        return SummedPenalty(factored, diagonal)  # type: ignore[arg-type]
+
+    @torch.no_grad()
+    def correct(self, lams: Sequence[float]) -> None:
+        """theta <- theta0 + X with X the summed proximal map at theta - theta0, on every weight; under DDP each
+        weight by its owner, then one all-reduce (with the iteration counts). Sets `mean_iterations`."""
+        if not self.tensors:
+            return
+        # [iterations, weights] of the replicated weights (each solved by its owner) and of the sharded ones (solved
+        # alike by every process)
+        counts = torch.zeros(2, dtype=torch.float64, device=self.tensors[0].local().device)
+        local = torch.zeros(2, dtype=torch.float64)
+        for i, t in enumerate(self.tensors):
+            weight = t.oriented(t.local())
+            if not self.owned[i]:
+                weight.zero_()
+                continue
+            start = t.oriented(t.theta0)
+            solve = solve_summed((weight - start).to(self.dtypes[i]), self.penalty(i, lams), _reduce(t.sharded))
+            weight.copy_(solve.x.add_(start))
+            tally = local if t.sharded else counts
+            tally += torch.tensor([solve.iterations, 1.0], dtype=torch.float64, device=tally.device)
+            if solve.residual > tolerance(self.dtypes[i]) and t.name not in self._warned:
+                self._warned.add(t.name)
+                warnings.warn(
+                    f"CFP: the summed proximal map of {t.name!r} stopped at relative residual {solve.residual:.2e} "
+                    f"after {solve.iterations} conjugate-gradient iterations (the cap is {MAX_ITERATIONS}); its "
+                    "correction is approximate. Lower the strongest lam, or protect this weight with fewer anchors.",
+                    stacklevel=2,
+                )
+        if self.split:
+            all_reduce_sum_([t.local() for t in self.tensors if not t.sharded] + [counts])
+        total = counts.cpu() + local
+        self.mean_iterations = float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+    @torch.no_grad()
+    def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replicated, sharded) float64 [1 + 2V]: per K-FAC anchor v on these weights its sensitive sum at 1 + 2v
+        and its free part at 2 + 2v (`ops.kfac.kfac_drift_squares`; nothing at 0, the total drift runs over every
+        tracked tensor in `DiagonalTensors`)."""
+        size = 1 + 2 * len(self.order)
+        replicated, sharded = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)
+        for t, bases in self._pairs():
+            delta = t.oriented(t.local()) - t.oriented(t.theta0)
+            for name, basis in bases.items():
+                v = self.order.index(name)
+                complete, local = kfac_drift_squares([delta], [basis], self.thresholds[name], _reduce(t.sharded))
+                replicated[1 + 2 * v] += complete[0]
+                replicated[2 + 2 * v] += complete[1]
+                (sharded if t.sharded else replicated)[2 + 2 * v] += local[0]
+        return replicated, sharded
+
+    def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Nothing without weights (float64 [2, K] zeros, twice); refused with some: the predicted KL after a summed
+        correction has no closed form in the lams."""
+        if not self.tensors:
+            nothing = torch.zeros(2, len(self.protecting), dtype=torch.float64)
+            return nothing, nothing.clone()
+        raise CFPArgumentError(
+            f"predicted_kl_budget cannot solve the lams of several protecting anchors on the same K-FAC weight "
+            f"({self.tensors[0].name!r} and {len(self.tensors) - 1} more): use kl_budget (the measured KL, "
+            "controlled per anchor), or protect each weight with one anchor."
+        )
+
+    def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
+        """Per weight, lam_k e of every coordinate of its strongest K-FAC term (the largest lam_k x trace): a lower
+        bound, eigenvalue by ordered eigenvalue, of the summed pull (Weyl: adding a PSD term raises none)."""
+        strongest = []
+        for t, bases in self._pairs():
+            shape = tuple(t.oriented(t.param).shape)
+            terms = [
+                bases[n].coordinate_weights(*shape).mul_(float(lam))
+                for n, lam in zip(self.protecting, lams, strict=True)
+                if n in bases
+            ]
+            strongest.append(max(terms, key=lambda pull: float(pull.sum())))
+        return strongest
+
+    def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the eigenbases CFP keeps for these weights, nothing offloaded)."""
+        return [p for bases in self.bases for b in bases.values() for p in stored_parts(b).values()], []
+
+    @property
+    def shard_device(self) -> torch.device | None:
+        """The device the sharded sums are all-reduced on (a row-sharded weight's), None with none."""
+        sharded = [t for t in self.tensors if t.sharded]
+        return sharded[0].local().device if sharded else None
