@@ -10,7 +10,7 @@ whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head 
 embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
 estimation, never formed. Rows: `--kfac-rank` R (default 256: the rank the sweep of `scripts/reproduce_table.py`
 recommends where full rank does not fit, `docs/guides/kfac.md`) with tails (the mean of the eigenvalues left out,
-`ops.kfac`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
+`geometry.kronecker.basis`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
 `WIDE_RANK` eigenpairs with a tail.
 
 Assumptions (flags): parameters and theta0 bf16; the bound eigenvectors in the weights' dtype (bf16), eigenvalues
@@ -22,12 +22,12 @@ communication at the bus bandwidth (no overlap: an upper bound). Nothing here is
 from `scripts/bench_memory.py` and `scripts/bench_kfac.py` on the hardware.
 
 Per weight W (rows x in held by the process that corrects it; rows = out / n row-sharded under FSDP2, out whole
-under DDP), bases cut to r_A and r_G eigenpairs (`ops.kfac` states the math):
+under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` states the math):
 - FLOPs, with a tail: M = D U_A (2 rows in r_A), P = U_G^T M (2 r_G rows r_A), N = U_G^T D (2 r_G rows in), the
   core (r_G x r_A) times U_A^T (2 r_G r_A in), the fused product [U_G, M'] [N'; U_A^T] (2 rows in (r_G + r_A));
   without a tail (both factors full): D U_A, U_G^T (.), and back (2 (2 rows in r_A + 2 rows r_A r_G)).
 - Memory traffic: `TAILED_BYTES` (without a tail `UNTAILED_BYTES`) per parameter corrected, counted from the
-  passes of `protection.kronecker` and `ops.kfac` over bf16 weights: the projection forms D in bf16 (theta and
+  passes of `protection.kronecker` and `geometry.kronecker.basis` over bf16 weights: the projection forms D in bf16 (theta and
   theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the correction
   of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product through a
   float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read by the

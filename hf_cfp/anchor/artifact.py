@@ -13,9 +13,9 @@ import torch
 from ..errors import AnchorNotFoundError, AnchorValidationError
 from ..geometry.diagonal.artifact import LazyFisher, check_fisher_values, fisher_shape
 from ..geometry.kronecker.artifact import basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
+from ..geometry.kronecker.basis import KroneckerBasis
 from ..geometry.kronecker.views import AnchorWeights, kfac_summary
 from ..names import canonical_name
-from ..ops.kfac import KroneckerBasis
 from .card import render_card
 from .combine import combine_parts
 from .config import CONFIG_NAME, FORMAT_VERSION, directory_config, validate_anchor_name

@@ -6,7 +6,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..ops.kfac import KroneckerBasis
+from ..geometry.kronecker.basis import KroneckerBasis
 
 
 class NamedFisher(Protocol):

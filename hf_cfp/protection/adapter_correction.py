@@ -8,7 +8,7 @@ measures how much of the CFP target the adapters missed:
     adapter_residual = ||D_after - D'|| / ||D'||      over the corrected weights, D' = D / (1 + P)
 
 A weight whose protecting anchor is Kronecker-factored (one protecting anchor then covers it) is corrected by the
-rule's K-FAC form (`ops.kfac_lora`) toward D' = the K-FAC proximal map of D; `factor_space` has none.
+rule's K-FAC form (`geometry.kronecker.lora`) toward D' = the K-FAC proximal map of D; `factor_space` has none.
 """
 
 import math
@@ -16,9 +16,9 @@ import math
 import torch
 
 from ..errors import CFPArgumentError, CFPError
+from ..geometry.kronecker.basis import KroneckerBasis
+from ..geometry.kronecker.lora import KFAC_LORA_RULES, kfac_target
 from ..ops import pull_strength
-from ..ops.kfac import KroneckerBasis
-from ..ops.kfac_lora import KFAC_LORA_RULES, kfac_target
 from ..ops.lora_correction import LORA_RULES, LoraFactors, cfp_target
 from .peft_adapters import AdaptedWeight
 

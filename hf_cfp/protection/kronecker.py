@@ -1,7 +1,7 @@
 """The tensors whose F is Kronecker-factored: corrected, measured and budgeted in their factors' eigenbases.
 
 `KroneckerTensors` is what `CFPState` adds beside `diagonal.DiagonalTensors` for the weights of K-FAC anchors
-(`ops.kfac` states the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
+(`geometry.kronecker.basis` states the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
 products). A weight held whole is rotated locally; replicated on several processes (DDP), each batch is corrected
 by one owning process (`balanced_owners`, by FLOPs) and the corrected weights reach the others in one all-reduce
 per correction (their values, zeros from the other processes: 2 bytes per bfloat16 parameter, like a gradient
@@ -18,15 +18,8 @@ import torch
 
 from ..errors import CFPArgumentError
 from ..geometry.kronecker.artifact import stored_parts
-from ..ops.kfac import (
-    KroneckerBasis,
-    Projection,
-    kfac_budget_terms,
-    kfac_drift_squares,
-    projected,
-    shrink_factors,
-    subtract_shrink_,
-)
+from ..geometry.kronecker.basis import KroneckerBasis, Projection, projected
+from ..geometry.kronecker.proximal import kfac_budget_terms, kfac_drift_squares, pull_
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from .memory import MemoryPlan
 from .records import AdaptedTensor, AnchorView, TrackedTensor
@@ -94,13 +87,13 @@ class _Factored:
             all_reduce_sum_(partials)
 
     def rotated(self, batch: _Batch) -> Projection:
-        """The projection of theta - theta0 of one batch now (`ops.kfac.Projection`, n stacked), complete."""
+        """The projection of theta - theta0 of one batch now (`geometry.kronecker.basis.Projection`, n stacked), complete."""
         return projected([batch.displacements()], [batch.basis], self.reduce)[0]
 
     @torch.no_grad()
     def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
-        """Every weight pulled in place from its batch's projected proposal (`ops.kfac.shrink_factors`,
-        `subtract_shrink_`; projected here one batch at a time unless given). Under DDP a process zeroes the
+        """Every weight pulled in place from its batch's projected proposal (`geometry.kronecker.basis.pull_`;
+        projected here one batch at a time unless given). Under DDP a process zeroes the
         weights of the batches others own, and one all-reduce brings every weight the owner's value."""
         for i, batch in enumerate(self.batches):
             if not self.owned[i]:
@@ -108,16 +101,13 @@ class _Factored:
                     weight.zero_()
                 continue
             r = rotated[i] if rotated is not None else self.rotated(batch)
-            left, right, tail_share = shrink_factors(batch.basis, r, lam)
-            for j, (t, weight) in enumerate(zip(batch.tensors, batch.weights(), strict=True)):
-                tail = None if tail_share is None else tail_share[j]
-                subtract_shrink_(weight, t.oriented(t.theta0), left[j], right[j], tail)
+            pull_(batch.weights(), [t.oriented(t.theta0) for t in batch.tensors], batch.basis, r, lam)
         if self.split:
             all_reduce_sum_([t.local() for batch in self.batches for t in batch.tensors])
 
     @torch.no_grad()
     def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(complete, local) `ops.kfac.kfac_drift_squares` over every batch."""
+        """(complete, local) `geometry.kronecker.basis.kfac_drift_squares` over every batch."""
         complete, local = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         for b in self.batches:
             found = kfac_drift_squares([b.displacements()], [b.basis], threshold, self.reduce)
@@ -126,7 +116,7 @@ class _Factored:
 
 
 def _flops(batch: _Batch) -> int:
-    """The multiply-adds of one batch's correction, about 4 out in r per weight (`ops.kfac`)."""
+    """The multiply-adds of one batch's correction, about 4 out in r per weight (`geometry.kronecker.basis`)."""
     basis = batch.basis
     out_dim, rank = basis.g_vectors.shape[-2], max(basis.a_values.shape[-1], basis.g_values.shape[-1])
     return len(batch.tensors) * out_dim * basis.a_vectors.shape[-2] * rank
@@ -188,7 +178,7 @@ class KroneckerTensors:
         return self._proposal[1]
 
     def correct(self, lams: Sequence[float]) -> None:
-        """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`ops.kfac.kfac_pull_`) on every
+        """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`geometry.kronecker.basis.kfac_pull_`) on every
         protected weight, with its anchor's lam: from the kept proposals after a budget solve, else projecting one
         batch at a time (its temporaries: a few stacks of BATCH weights)."""
         kept = self._proposal[1] if self._proposal is not None and self._proposal[0] == self._versions() else None
@@ -212,7 +202,7 @@ class KroneckerTensors:
 
     def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """(complete, nothing to add across processes): [KL_k, dKL_k / dlam_k] of the protected K-FAC weights
-        (float64 [2, K], complete on every process) for the projected proposals (`ops.kfac.kfac_budget_terms`)."""
+        (float64 [2, K], complete on every process) for the projected proposals (`geometry.kronecker.basis.kfac_budget_terms`)."""
         terms = torch.zeros(2, len(self.protecting), dtype=torch.float64)
         for (k, group), rotated in zip(self.protected(), self.proposal(), strict=True):
             terms[:, k] += kfac_budget_terms(rotated, [b.basis for b in group.batches], lams[k])

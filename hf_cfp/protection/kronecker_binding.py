@@ -19,7 +19,7 @@ from transformers.pytorch_utils import Conv1D
 from ..anchor import FisherAnchor
 from ..errors import AnchorMismatchError, CFPArgumentError
 from ..geometry.kronecker.artifact import LazyBases, weight_shape
-from ..ops.kfac import KroneckerBasis
+from ..geometry.kronecker.basis import KroneckerBasis
 from ..parallel.shards import dtensor_local_block
 from ..quantized import logical_shape
 from .binding import HeldRange, matched_parameters

@@ -2,7 +2,7 @@
 
 - `TrackedTensor`: one trainable parameter some anchor covers, as this process holds it (a replica, or an FSDP /
   ZeRO-3 piece): its theta0, the diagonal F of every anchor covering it that way, and the Kronecker eigenbases
-  (`ops.kfac.KroneckerBasis`) of every K-FAC anchor factoring it.
+  (`geometry.kronecker.basis.KroneckerBasis`) of every K-FAC anchor factoring it.
 - `AdaptedTensor`: one LoRA-adapted base weight some anchor covers (a PeftModel): its factors' snapshot and the
   F of every anchor covering it.
 - `AnchorView`: one anchor as its metrics see it: the tensors it covers and its free-drift threshold.
@@ -16,9 +16,9 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..geometry.diagonal.artifact import TensorsOf
+from ..geometry.kronecker.basis import KroneckerBasis
 from ..geometry.kronecker.views import AnchorWeights
 from ..ops import free_threshold
-from ..ops.kfac import KroneckerBasis
 from ..parallel import local_tensor
 from .binding import BoundTensor, HeldRange
 from .kronecker_binding import BoundKronecker

@@ -1,5 +1,5 @@
 """The weights several protecting anchors cover, some of them with Kronecker factors: corrected by the exact
-proximal map of the summed penalty (`ops.kfac_summed`), measured per anchor in each anchor's eigenbasis.
+proximal map of the summed penalty (`geometry.kronecker.summed_solve`), measured per anchor in each anchor's eigenbasis.
 
 A weight joins when a protecting K-FAC anchor factors it and another protecting anchor covers it (factored or
 with a diagonal F); every other weight keeps one anchor's closed form (`kronecker.KroneckerTensors`,
@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..anchor.kfac import stored_parts
 from ..errors import CFPArgumentError
-from ..ops.kfac import kfac_drift_squares
-from ..ops.kfac_summed import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
+from ..geometry.kronecker.artifact import stored_parts
+from ..geometry.kronecker.proximal import kfac_drift_squares
+from ..geometry.kronecker.summed_solve import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
 from ..parallel import all_reduce_sum_, process_rank_and_count
 from .kronecker import balanced_owners
 from .records import AnchorView, TrackedTensor
@@ -120,7 +120,7 @@ class SummedTensors:
     @torch.no_grad()
     def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(replicated, sharded) float64 [1 + 2V]: per K-FAC anchor v on these weights its sensitive sum at 1 + 2v
-        and its free part at 2 + 2v (`ops.kfac.kfac_drift_squares`; nothing at 0, the total drift runs over every
+        and its free part at 2 + 2v (`geometry.kronecker.basis.kfac_drift_squares`; nothing at 0, the total drift runs over every
         tracked tensor in `DiagonalTensors`)."""
         size = 1 + 2 * len(self.order)
         replicated, sharded = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)

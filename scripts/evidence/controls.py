@@ -24,9 +24,9 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from hf_cfp.anchor import FisherAnchor, check_fingerprint
 from hf_cfp.errors import CFPArgumentError, CFPError
 from hf_cfp.geometry.kronecker.artifact import truncate_basis, with_tails
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis
 from hf_cfp.integrations.strength import check_lam
 from hf_cfp.ops import proximal_pull_
-from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.parallel.deepspeed import uses_deepspeed
 from hf_cfp.protection import bind_anchor, peft_view
 
@@ -58,7 +58,7 @@ def truncated_anchor(anchor: FisherAnchor, rank: int, name: str, tail: str = "ze
 
     rho = 0 with `tail="zero"` (the rest free: CFP pulls on the top r x r block of each weight's rotated coordinates
     alone), rho = (tr A - sum alpha[:r]) / (in - r) with `tail="mean"` (trace-preserving; CFP's exact four-block
-    map, `hf_cfp.ops.kfac`). A zero tail is kept as no tail at all: the same quadratic and correction, on the
+    map, `hf_cfp.geometry.kronecker.basis`). A zero tail is kept as no tail at all: the same quadratic and correction, on the
     two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
     diagonal F of its other parameters is unchanged. The metadata is copied with `kfac_rank`, `kfac_tail`,
     `kfac_floats_per_param`, `derived_from` (the anchor's name) and `transform` added.

@@ -1,6 +1,6 @@
 """The Kronecker geometry's part of the anchor artifact: per Linear-like weight W (out x in), F_W ~ A (x) G kept as
 the top eigenpairs of A (in x in) and G (out x out) and, for a factor that keeps fewer than all, its tail (the mean
-of the eigenvalues left out, `ops.kfac`), stored in the same safetensors files as the diagonal F under the keys
+of the eigenvalues left out, `basis`), stored in the same safetensors files as the diagonal F under the keys
 `kfac/<parameter name>/<part>` (parameter names never hold a `/`, so the keys cannot collide). The tails are
 0-dim tensors `a_tail` / `g_tail`, present for a truncated factor only (an anchor saved before tails existed
 reads as a tail of 0).
@@ -18,8 +18,8 @@ import torch
 
 from ...errors import AnchorValidationError, CFPArgumentError
 from ...names import canonical_name
-from ...ops.kfac import KroneckerBasis
 from ..base import Stored
+from .basis import KroneckerBasis
 
 KFAC_PREFIX = "kfac/"
 PARTS = ("a_vectors", "a_values", "g_vectors", "g_values")
@@ -71,7 +71,7 @@ def with_tails(
 ) -> KroneckerBasis:
     """The basis of two factors' (eigenvalues, eigenvectors, tail) as `eigenbasis` gives them; a factor with no
     tail beside one that has one gets a tail of 0. Tails that are all 0 (`tail="zero"`) give a basis without
-    tails: the same map, by its cheaper path (`ops.kfac`)."""
+    tails: the same map, by its cheaper path (`basis`)."""
     if all(t is None or float(t) == 0 for t in (a_tail, g_tail)):
         return KroneckerBasis(a_vectors, a_values, g_vectors, g_values)
     zero = torch.zeros((), dtype=torch.float32)

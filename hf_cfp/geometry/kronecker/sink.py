@@ -6,10 +6,10 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ...ops.kfac import KroneckerBasis
 from ...parallel import collective_device
 from ..base import EstimatePart, EstimatePlan, LayerSums, Scored
 from .artifact import with_tails
+from .basis import KroneckerBasis
 from .factors import DenseFactor, KroneckerSums, SketchedFactor, Spectrum
 
 

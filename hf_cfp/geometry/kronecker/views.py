@@ -8,8 +8,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
-from ...ops.kfac import KroneckerBasis
 from .artifact import dense_factors, stored_parts, weight_shape
+from .basis import KroneckerBasis
 
 
 class RotatedWeights(Sequence[torch.Tensor]):

@@ -1,4 +1,4 @@
-"""The summed proximal map of several anchors on one weight (`ops.kfac_summed`) against a dense float64 solve of
+"""The summed proximal map of several anchors on one weight (`geometry.kronecker.summed_solve`) against a dense float64 solve of
 (I + sum_k lam_k kron(G_k, A_k) + diag(sum_j lam_j F_j)) vec(X) = vec(D) (row-major vec), for full-rank and
 truncated-with-tails bases, with and without a diagonal term; split into row shards it gives the same X."""
 
@@ -7,9 +7,9 @@ import threading
 import pytest
 import torch
 
-from hf_cfp.anchor.kfac import dense_factors, truncate_basis
-from hf_cfp.ops.kfac import KroneckerBasis
-from hf_cfp.ops.kfac_summed import SummedPenalty, closed_form, solve_summed, tolerance
+from hf_cfp.geometry.kronecker.artifact import dense_factors, truncate_basis
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis
+from hf_cfp.geometry.kronecker.summed_solve import SummedPenalty, closed_form, solve_summed, tolerance
 
 OUT, IN = 6, 9
 

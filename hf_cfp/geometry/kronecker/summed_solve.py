@@ -1,6 +1,6 @@
 """The CFP correction of one weight under several protecting anchors: the proximal map of their summed penalty.
 
-Anchors k with Kronecker factors on a weight W (out x in), K_k = G_k,r (x) A_k,r (`ops.kfac`), and anchors j with
+Anchors k with Kronecker factors on a weight W (out x in), K_k = G_k,r (x) A_k,r (`basis`), and anchors j with
 a diagonal F_j on it, at strengths lam, penalize a displacement X by
 
     0.5 sum_k lam_k tr(X^T G_k,r X A_k,r) + 0.5 sum_j lam_j sum F_j X^2,
@@ -12,7 +12,7 @@ and the correction is its exact proximal map at the proposal D = theta' - theta0
 A sum of Kronecker products has no common eigenbasis, so no closed form: the system (symmetric positive definite)
 is solved by preconditioned conjugate gradient. Each product with K_k is one projection onto the anchor's
 eigenvectors and back (`block_factors` with the blocks' scales lam_k e: 4 out x in x r multiply-adds); the
-preconditioner is the closed-form inverse (I + lam_p K_p)^-1 of one K-FAC term (`ops.kfac.shrink_factors`), the
+preconditioner is the closed-form inverse (I + lam_p K_p)^-1 of one K-FAC term (`basis.shrink_factors`), the
 one with the largest lam_k x (largest eigenvalue); the start is that term's closed form applied to D (the
 one-anchor correction), a function of D alone, so a resumed run repeats every iteration bit for bit. It stops when
 the relative residual |D - A X| / |D| is at most `tolerance(dtype)` (1e-6 in float64; 1e-5, float32's floor for
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kfac import KroneckerBasis, Reduce, block_factors, projected, shrink_factors
+from .basis import KroneckerBasis, Reduce, projected
+from .proximal import block_factors, shrink_factors
 
 MAX_ITERATIONS = 100
 
@@ -71,7 +72,7 @@ class SummedPenalty:
 
 
 def closed_form(basis: KroneckerBasis, lam: float, x: torch.Tensor, reduce: Reduce = _complete) -> torch.Tensor:
-    """(I + lam K)^-1 X = X - shrink (`ops.kfac.shrink_factors`), one anchor's exact proximal map."""
+    """(I + lam K)^-1 X = X - shrink (`basis.shrink_factors`), one anchor's exact proximal map."""
     projection = projected([x], [basis], reduce)[0]
     left, right, tail = shrink_factors(basis, projection, lam)
     result = torch.addmm(x, left.to(x.dtype), right.to(x.dtype), alpha=-1)

@@ -1,8 +1,8 @@
 """The K-FAC CFP correction carried to LoRA factors (pure tensor math, one adapter on one weight).
 
 A LoRA-adapted weight moves by D = s B A - C, C = s0 B0 A0 (B: out x r, A: r x in). Under a K-FAC base anchor,
-F_W ~ A_in (x) G (A_in: in x in, G: out x out, as eigenbases `ops.kfac.KroneckerBasis`), full-parameter CFP's
-target is D' = prox(D) (`ops.kfac.kfac_pull_`). The rules, each returning new factors (B', A), float32:
+F_W ~ A_in (x) G (A_in: in x in, G: out x out, as eigenbases `basis.KroneckerBasis`), full-parameter CFP's
+target is D' = prox(D) (`basis.kfac_pull_`). The rules, each returning new factors (B', A), float32:
 
 - `proximal_b`: the exact proximal step restricted to B with A fixed,
 
@@ -12,7 +12,7 @@ target is D' = prox(D) (`ops.kfac.kfac_pull_`). The rules, each returning new fa
   In G's eigenbasis (B~ = U_G^T B, H~ = U_G^T H) row i decouples into one r x r system,
   s b~_i (M1 + lam gamma_i M2) = h~_i with M1 = A A^T, M2 = A A_in A^T (both r x r); the part of B outside a
   truncated U_G (eigenvalue rho_G there, the tail) solves s B_perp (M1 + lam rho_G M2) = H_perp. With the tails
-  (`ops.kfac`), A_in = U_A diag(alpha - rho_A) U_A^T + rho_A I and G likewise.
+  (`basis`), A_in = U_A diag(alpha - rho_A) U_A^T + rho_A I and G likewise.
 - `least_squares_b`: the unweighted fit of the full-parameter target, B' = (D' + C) A^T (A A^T)^-1 / s.
 
 `factor_space` (elementwise CFP in factor coordinates) has no K-FAC form and is refused by the caller.
@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from .kfac import KroneckerBasis, kfac_pull_
-from .lora_correction import LoraFactors
+from ...ops.lora_correction import LoraFactors
+from .basis import KroneckerBasis
+from .proximal import kfac_pull_
 
 
 def kfac_target(delta: torch.Tensor, basis: KroneckerBasis, lam: float) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The Kronecker-factored (K-FAC) geometry of a Linear-like weight: its CFP correction and its drift (pure math).
+"""The Kronecker-factored (K-FAC) geometry of a Linear-like weight: its eigenbasis and a displacement's coordinates in
+it (pure math).
 
 For a weight W (out x in) an anchor keeps F_W ~ A (x) G through each factor's top eigenpairs and, when it keeps
 fewer than all, one eigenvalue for the rest, the mean of what was dropped (the tail):
@@ -12,23 +13,14 @@ eigenvalues gamma alpha^T (kept G x kept A), gamma rho_A (kept x tail), rho_G al
     kept x kept: P,   kept x tail: N - P U_A^T,   tail x kept: M - U_G P,
     tail x tail: D - U_G N - M U_A^T + U_G P U_A^T,
 
-and the quadratic is sum over the blocks of eigenvalue x squared coordinate. The CFP correction, the exact
-proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal D = theta' - theta0, scales each block's coordinates
-by 1 / (1 + lam eigenvalue); with the pulled shares w = lam e / (1 + lam e) of each block, it subtracts
-
-    shrink = w_tt D + U_G [(w_kt - w_tt) N + ((w_kk - w_kt - w_tk + w_tt) P) U_A^T] + [(w_tk - w_tt) M] U_A^T
-
-(w_kt broadcast down the rows, w_tk across the columns). It is applied as theta <- lerp(theta, theta0, w_tt) - L R
-with L = [U_G, (w_tk - w_tt) M] and R = [(w_kt - w_tt) N + (...) U_A^T ; U_A^T] (`shrink_factors`), the product
-added into the weight without being formed: with the projection's two products, 4 out x in x r multiply-adds and
-no copy of D. Without a tail (rho = 0: full factors, or a truncation that treats the rest as free) only the kept
-block pulls, shrink = U_G [w_kk P] U_A^T, and that is what is computed.
+and the quadratic is sum over the blocks of eigenvalue x squared coordinate (`Projection.squares`,
+`KroneckerBasis.block_weights`); the correction, drift and budget terms computed from them are `proximal`'s.
 
 Under row sharding (FSDP2 splits W along its first dimension) a process holds rows of W, of D and of U_G: M is
 complete for its rows, P and N are partial sums over them, completed by `reduce` (an all-reduce across processes)
 together with the column norms of M and |D|^2 that the tail's drift needs (r_G (r_A + in) + r_A + 1 floats).
 
-A basis may carry a leading batch dimension (the bases of n weights of one shape stacked, `protection.kronecker`):
+A basis may carry a leading batch dimension (the bases of n weights of one shape stacked):
 every function below then works on the stacked weights (n x out x in) at once, by batched matrix products. The
 rotations multiply in the eigenvectors' dtype (bfloat16 bases for bfloat16 weights: the products' rounding, 2^-8
 of the rotated displacement, is at or below the weights' own), everything else in float32.
@@ -43,7 +35,7 @@ import torch
 Reduce = Callable[[list[torch.Tensor]], None]
 
 
-def _no_reduce(tensors: list[torch.Tensor]) -> None:
+def no_reduce(tensors: list[torch.Tensor]) -> None:
     """One process holds every row: the sums are already complete."""
 
 
@@ -201,7 +193,7 @@ class Projection:
 
 
 def projected(
-    displacements: Iterable[torch.Tensor], bases: Sequence[KroneckerBasis], reduce: Reduce = _no_reduce
+    displacements: Iterable[torch.Tensor], bases: Sequence[KroneckerBasis], reduce: Reduce = no_reduce
 ) -> list[Projection]:
     """The projections of the displacements D_k (the rows held here) onto their bases, complete (one `reduce` for
     all); each D_k is read once, so an iterator holds one at a time."""
@@ -215,136 +207,7 @@ def rotated_displacements(
     params: Sequence[torch.Tensor],
     theta0: Sequence[torch.Tensor],
     bases: Sequence[KroneckerBasis],
-    reduce: Reduce = _no_reduce,
+    reduce: Reduce = no_reduce,
 ) -> list[Projection]:
     """The projections of theta_k - theta0_k for every weight, complete (`projected`, one D_k at a time)."""
     return projected((p - t for p, t in zip(params, theta0, strict=True)), bases, reduce)
-
-
-def pulled_share(weights: torch.Tensor, lam: float) -> torch.Tensor:
-    """w = lam e / (1 + lam e) of eigenvalues e: the share of each coordinate pulled back."""
-    strength = weights.mul(float(lam))
-    return strength.div_(strength + 1.0)
-
-
-def shrink_factors(
-    basis: KroneckerBasis, projection: Projection, lam: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(L, R, w_tt) with shrink = L R + w_tt D: `block_factors` with the pulled shares w = lam e / (1 + lam e)."""
-    return block_factors(basis, projection, [pulled_share(w, lam) for w in basis.block_weights()])
-
-
-def block_factors(
-    basis: KroneckerBasis, projection: Projection, scales: Sequence[torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(L, R, s_tt) with L R + s_tt D = the sum over the blocks of s_b x D's component in block b, for one scale
-    s_b per block (shaped like `KroneckerBasis.block_weights`), in the eigenvectors' dtype, the rows held here:
-    L = [U_G, (s_tk - s_tt) M] (rows x (r_G + r_A)), R = [(s_kt - s_tt) N + (core P) U_A^T ; U_A^T] with
-    core = s_kk - s_kt - s_tk + s_tt; without a tail L = U_G (s_kk P) (rows x r_A), R = U_A^T and s_tt None.
-    With s = w it is the correction's shrink (`shrink_factors`); with s = lam e it is lam (G_r (x) A_r) vec(D)."""
-    dtype, a_t = basis.a_vectors.dtype, basis.a_vectors.transpose(-2, -1)
-    if not basis.tailed:
-        return basis.g_vectors @ (projection.kept * scales[0]).to(dtype), a_t, None
-    assert projection.rows is not None and projection.columns is not None
-    kk, kt, tk, tt = scales
-    kt, tk = kt - tt.unsqueeze(-1), tk - tt.unsqueeze(-1)
-    core = (kk - kt.unsqueeze(-1) - tk.unsqueeze(-2) - tt[..., None, None]) * projection.kept
-    rows = (kt.unsqueeze(-1) * projection.rows).to(dtype) + core.to(dtype) @ a_t
-    columns = (tk.unsqueeze(-2) * projection.columns).to(dtype)
-    return torch.cat([basis.g_vectors, columns], dim=-1), torch.cat([rows, a_t], dim=-2), tt
-
-
-def subtract_shrink_(
-    param: torch.Tensor,
-    start: torch.Tensor | None,
-    left: torch.Tensor,
-    right: torch.Tensor,
-    tail_share: torch.Tensor | None,
-) -> None:
-    """In place: theta <- theta - (L R + w_tt (theta - theta0)) = lerp(theta, theta0, w_tt) - L R
-    (`shrink_factors`; one weight or one stack), in float32, rounded once to the parameter's dtype; the product
-    is added into the weights without being formed when its dtype is theirs."""
-    work = param.float()  # the parameter itself when it is float32
-    if tail_share is not None:
-        assert start is not None, "a basis with a tail pulls toward theta0: pass it"
-        work.lerp_(start.float(), tail_share[..., None, None])
-    if left.dtype == work.dtype:
-        (work.baddbmm_ if work.dim() == 3 else work.addmm_)(left, right, alpha=-1)
-    else:
-        work.sub_((left @ right).float())
-    if work is not param:
-        param.copy_(work)
-
-
-def kfac_pull_(
-    params: Sequence[torch.Tensor],
-    theta0: Sequence[torch.Tensor] | None,
-    bases: Sequence[KroneckerBasis],
-    lam: float,
-    rotated: Sequence[Projection] | None = None,
-    reduce: Reduce = _no_reduce,
-) -> None:
-    """In place, on every weight: theta <- theta - shrink, the exact proximal map of (lam / 2) tr(X^T G_r X A_r)
-    at D = theta - theta0 (`shrink_factors`, `subtract_shrink_`). `rotated`: the projections of these proposals
-    already computed (the KL budget's solve computes them first); by default computed here. `theta0` is read to
-    form them, and with a tail for the pull of the tail x tail block. Temporaries: the displacement of one weight
-    (of one stack of weights), and less than it with a float32 weight."""
-    if lam == 0:
-        return
-    with torch.no_grad():
-        if rotated is None:
-            assert theta0 is not None, "kfac_pull_ needs theta0 or the rotated proposals"
-            rotated = rotated_displacements(params, theta0, bases, reduce)
-        for k, (param, basis, projection) in enumerate(zip(params, bases, rotated, strict=True)):
-            left, right, tail_share = shrink_factors(basis, projection, lam)
-            subtract_shrink_(param, theta0[k] if theta0 is not None else None, left, right, tail_share)
-
-
-def kfac_drift_squares(
-    displacements: Sequence[torch.Tensor],
-    bases: Sequence[KroneckerBasis],
-    threshold: float,
-    reduce: Reduce = _no_reduce,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drift of K-FAC weights (their displacements D = theta - theta0, the rows held here) in their blocks of
-    eigen-directions, as float64 sums on the CPU:
-
-    (complete [sum e s, -(sum of s over e > threshold)], local [sum D^2])
-
-    over the blocks' eigenvalues e and squared coordinates s (`KroneckerBasis.block_weights`,
-    `Projection.squares`). The first pair is complete on every process (from the reduced projections); the local
-    sum runs over the rows held here and must be added across processes. The free drift^2 over these weights, the
-    squared coordinates whose eigenvalue is <= threshold, is then complete[1] + sum D^2: the blocks split
-    |D|^2, and the coordinates outside a basis without a tail have eigenvalue 0."""
-    projections = projected(displacements, bases, reduce)
-    sums = []  # summed on the device, moved to the CPU once
-    with torch.no_grad():
-        for delta, basis, projection in zip(displacements, bases, projections, strict=True):
-            sensitive = above = torch.zeros((), dtype=torch.float64, device=projection.kept.device)
-            for weights, squares in zip(basis.block_weights(), projection.squares(), strict=True):
-                sensitive = sensitive + torch.mul(squares, weights).sum(dtype=torch.float64)
-                above = above + torch.where(weights > threshold, squares, 0.0).sum(dtype=torch.float64)
-            local = torch.linalg.vector_norm(delta.float()).double().square()
-            sums.append(torch.stack([sensitive, -above, local]))
-    total = torch.stack(sums).sum(0).cpu() if sums else torch.zeros(3, dtype=torch.float64)
-    return total[:2], total[2:]
-
-
-def kfac_budget_terms(rotated: Sequence[Projection], bases: Sequence[KroneckerBasis], lam: float) -> torch.Tensor:
-    """[KL, dKL / dlam] (float64 [2], CPU) of the K-FAC weights for the proposals' projections (the KL budget's
-    solve, `ops.budget`): over the blocks' eigenvalues e and the proposal's squared coordinates s,
-
-        KL = 0.5 sum e s / (1 + lam e)^2,      dKL / dlam = - sum e^2 s / (1 + lam e)^3,
-
-    the predicted KL after the correction `kfac_pull_` would make with this lam (it scales each block's
-    coordinates by 1 / (1 + lam e))."""
-    terms = []  # summed on the device, moved to the CPU once
-    with torch.no_grad():
-        for projection, basis in zip(rotated, bases, strict=True):
-            for weights, squares in zip(basis.block_weights(), projection.squares(), strict=True):
-                relief = weights.mul(float(lam)).add_(1.0)
-                weighted = squares.mul(weights).div_(relief.square())  # e s / (1 + lam e)^2
-                kl = 0.5 * weighted.sum(dtype=torch.float64)
-                slope = -weighted.mul_(weights).div_(relief).sum(dtype=torch.float64)
-                terms.append(torch.stack([kl, slope]))
-    return torch.stack(terms).sum(0).cpu() if terms else torch.zeros(2, dtype=torch.float64)

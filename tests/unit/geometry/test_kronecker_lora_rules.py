@@ -1,10 +1,10 @@
-"""The K-FAC LoRA rules (`ops.kfac_lora`) against dense float64 solves on row-major vec."""
+"""The K-FAC LoRA rules (`geometry.kronecker.lora`) against dense float64 solves on row-major vec."""
 
 import pytest
 import torch
 
-from hf_cfp.ops.kfac import KroneckerBasis
-from hf_cfp.ops.kfac_lora import kfac_least_squares_b, kfac_proximal_b, kfac_target
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis
+from hf_cfp.geometry.kronecker.lora import kfac_least_squares_b, kfac_proximal_b, kfac_target
 from hf_cfp.ops.lora_correction import LoraFactors
 
 

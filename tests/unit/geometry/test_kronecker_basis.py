@@ -1,17 +1,12 @@
-"""The K-FAC correction and drift (`ops.kfac`) against dense float64 references on row-major vec(Delta)."""
+"""The K-FAC correction and drift (`geometry.kronecker.basis`) against dense float64 references on row-major vec(Delta)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from hf_cfp.ops.kfac import (
-    KroneckerBasis,
-    kfac_budget_terms,
-    kfac_drift_squares,
-    kfac_pull_,
-    rotated_displacements,
-)
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis, rotated_displacements
+from hf_cfp.geometry.kronecker.proximal import kfac_budget_terms, kfac_drift_squares, kfac_pull_
 
 
 def random_psd(n: int, generator: torch.Generator, rank: int | None = None) -> torch.Tensor:
