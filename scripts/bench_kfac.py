@@ -37,8 +37,8 @@ On a shared, loaded machine pass `--threads 1`: multi-threaded LAPACK and BLAS c
 the cores (a float64 `eigh` of 1536 x 1536 took 52 s with 2 threads against 2.2 s with 1 on a 2-core machine at
 load 4). On a CPU the correction's temporaries are fresh float32 tensors of a batch of weights each; glibc returns
 large ones to the system, and their first touch (page faults) can cost as much as the arithmetic: measured here as
-is, with the default allocator. The correction adds its product into each weight in place (`geometry.kronecker.basis`), so its
-only weight-sized temporary is one batch's displacement.
+is, with the default allocator. The correction adds its product into each weight in place
+(`geometry.kronecker.basis`), so its only weight-sized temporary is one batch's displacement.
 """
 
 import argparse

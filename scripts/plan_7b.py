@@ -10,8 +10,8 @@ whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head 
 embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
 estimation, never formed. Rows: `--kfac-rank` R (default 256: the rank the sweep of `scripts/reproduce_table.py`
 recommends where full rank does not fit, `docs/guides/kfac.md`) with tails (the mean of the eigenvalues left out,
-`geometry.kronecker.basis`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
-`WIDE_RANK` eigenpairs with a tail.
+`geometry.kronecker.basis`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail),
+sketched ones at `WIDE_RANK` eigenpairs with a tail.
 
 Assumptions (flags): parameters and theta0 bf16; the bound eigenvectors in the weights' dtype (bf16), eigenvalues
 and tails float32; the diagonal F of the rest float32; the accelerator's HBM bandwidth and dense bf16 peak are
@@ -27,20 +27,20 @@ under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` stat
   core (r_G x r_A) times U_A^T (2 r_G r_A in), the fused product [U_G, M'] [N'; U_A^T] (2 rows in (r_G + r_A));
   without a tail (both factors full): D U_A, U_G^T (.), and back (2 (2 rows in r_A + 2 rows r_A r_G)).
 - Memory traffic: `TAILED_BYTES` (without a tail `UNTAILED_BYTES`) per parameter corrected, counted from the
-  passes of `protection.kronecker` and `geometry.kronecker.basis` over bf16 weights: the projection forms D in bf16 (theta and
-  theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the correction
-  of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product through a
-  float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read by the
-  product (2), then the product's 32: about 40. The diagonal F of the rest: 10 bytes per parameter (theta 2 +
+  passes of `geometry.kronecker.state` and `geometry.kronecker.basis` over bf16 weights: the projection forms D in
+  bf16 (theta and theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the
+  correction of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product
+  through a float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read
+  by the product (2), then the product's 32: about 40. The diagonal F of the rest: 10 bytes per parameter (theta 2 +
   theta0 2 + F 4 read, theta 2 written).
-- Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`protection.kronecker.BATCH` weights of one
+- Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`geometry.kronecker.state.BATCH` weights of one
   shape): D in bf16 and the float32 copy the norm reads; the float32 temporaries of the one weight being corrected
   add under 2 bytes per parameter of a batch of 8.
 - FSDP2 (row shards): every rank corrects its rows of every weight; P (r_G x r_A), with a tail N (r_G x in) too,
   float32, and the norms (r_A + 1, float64) are all-reduced per weight and step. Memory: theta0 of the rank's
   rows, U_A whole (every rank), the rank's rows of U_G.
 - DDP (replicated weights): batches of like weights, each corrected by one owning process (largest first to the
-  least loaded, by FLOPs, as `protection.kronecker` assigns them); the busiest process sets the time. The corrected
+  least loaded, by FLOPs, as `geometry.kronecker.state` assigns them); the busiest process sets the time. The corrected
   values reach the others in one all-reduce per step of the factored weights' bf16 values (zeros from the
   non-owners: 2 bytes per factored parameter; an all-gather would move half as many bytes per rank); every
   process stacks and writes back the weights it does not own (10 bytes per parameter). Memory: theta0, the bases
@@ -56,7 +56,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from hf_cfp.fisher.feeding import scored_parameters
 from hf_cfp.geometry.kronecker import kfac_weights
 from hf_cfp.geometry.kronecker.factors import MAX_FORMED_DIMENSION, WIDE_RANK
-from hf_cfp.protection.kronecker import BATCH, balanced_owners
+from hf_cfp.geometry.kronecker.state import BATCH, balanced_owners
 
 SHAPES = {
     "Qwen2.5-7B": Qwen2Config(
@@ -186,7 +186,8 @@ def load(name: str) -> Model:
 
 
 def batches(weights: list[Weight]) -> list[list[Weight]]:
-    """Like weights (shape and ranks) in batches of up to BATCH, in the model's order (as `protection.kronecker`)."""
+    """Like weights (shape and ranks) in batches of up to BATCH, in the model's order (as
+    `geometry.kronecker.state`)."""
     kinds: dict[tuple, list[Weight]] = {}
     for w in weights:
         kinds.setdefault((w.out_dim, w.in_dim, w.r_a, w.r_g), []).append(w)

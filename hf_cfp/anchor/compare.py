@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import AnchorMismatchError
+from ..geometry.base import NamedFisher
 from ..geometry.kronecker.views import ImpliedDiagonal, factor_cosines
 from ..ops.order_statistics import top_overlap
-from .protocol import NamedFisher
 from .statistics import TOP_FRACTIONS, module_type_masses
 
 

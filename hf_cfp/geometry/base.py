@@ -1,18 +1,22 @@
 """What every geometry provides, and what the layers around it hand it.
 
-The scoring pass (`fisher`) knows no geometry. It scores the parameters of a model and hands what it computes to
-the sinks of the anchor's structure (`registry.structure`): per-sequence squared scores into the accumulators a
-sink gives for its parameters (`EstimateSink.squares`), and, for a Linear-like layer whose weight a sink factors,
-the layer's inputs and output gradients (`LayerSums`). Each sink then turns its sums into its part of the anchor
-(`EstimatePart`). An anchor read from its files hands a geometry's artifact part the tensors it stores, or where
-they lie (`Stored`, for lazy reads).
+After binding, each geometry keeps a per-step state over its tensors (`GeometryState`: correct, drift, budget,
+strengths, footprint) that `protection.state.CFPState` composes; the path (theta0 and the total drift) belongs to
+none of them. The scoring pass (`fisher`) knows no geometry. It scores the parameters of a model and hands what it
+computes to the sinks of the anchor's structure (`registry.structure`): per-sequence squared scores into the
+accumulators a sink gives for its parameters (`EstimateSink.squares`), and, for a Linear-like layer whose weight a
+sink factors, the layer's inputs and output gradients (`LayerSums`). Each sink then turns its sums into its part of
+the anchor (`EstimatePart`). An anchor read from its files hands a geometry's artifact part the tensors it stores, or
+where they lie (`Stored`, for lazy reads).
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+from ..parallel import all_reduce_sum_
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,129 @@ class Stored(Protocol):
     def dtype(self) -> torch.dtype: ...
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor: ...
+
+
+class NamedFisher(Protocol):
+    """An anchor as the geometries and the anchor's helpers read it (`anchor.FisherAnchor` satisfies it, so they
+    need not import the class): its name, F by canonical parameter name, the Kronecker bases of its factored
+    weights (empty for a diagonal anchor), and its metadata."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fisher(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def kfac(self) -> Mapping[str, Any]: ...
+
+    @property
+    def metadata(self) -> Mapping[str, Any]: ...
+
+
+class Tracked(Protocol):
+    """What a geometry's per-step state reads of one trainable parameter some anchor covers, as this process holds it
+    (`protection.records.TrackedTensor`): its name, the parameter, theta0 of its part, whether other processes
+    hold the rest, each covering anchor's diagonal F and each factoring anchor's basis (by anchor name)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def param(self) -> torch.Tensor: ...
+
+    @property
+    def theta0(self) -> torch.Tensor: ...
+
+    @property
+    def sharded(self) -> bool: ...
+
+    @property
+    def fisher(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def kfac(self) -> dict[str, Any]: ...
+
+    def oriented(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def local(self) -> torch.Tensor: ...
+
+    def covered_by(self, anchors: Sequence[str]) -> bool: ...
+
+    def row(self, anchors: Sequence[str]) -> list[torch.Tensor | None]: ...
+
+
+class Adapted(Protocol):
+    """What a geometry reads of one LoRA-adapted base weight (`protection.records.AdaptedTensor`): the weight
+    (`protection.peft_adapters.AdaptedWeight`) and each covering anchor's F or basis."""
+
+    @property
+    def weight(self) -> Any: ...
+
+    @property
+    def fisher(self) -> dict[str, torch.Tensor]: ...
+
+    @property
+    def kfac(self) -> dict[str, Any]: ...
+
+
+class View(Protocol):
+    """What a geometry reads of one anchor's view (`protection.records.AnchorView`): its name, its free-drift
+    threshold and the tracked tensors it factors."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def threshold(self) -> float: ...
+
+    @property
+    def kronecker(self) -> Sequence[Tracked]: ...
+
+
+class GeometryState(Protocol):
+    """A geometry's per-step state: one structure of F over the tensors it was bound to, each owning its tensors'
+    correction, drift sums, KL-budget terms, pull strengths and what it keeps in memory. Sums come in two parts:
+    over tensors every process holds whole (replicated: counted once) and over tensors whose pieces are spread over
+    processes (sharded: added across processes); `complete` adds every state's parts with one collective."""
+
+    def correct(self, lams: Sequence[float]) -> None:
+        """The CFP correction of its protected tensors with each protecting anchor's lam, in place."""
+        ...
+
+    def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replicated, sharded) float64 [1 + 2V] on the CPU in the metric order of `names.drift_keys`: at 0 the
+        total drift's sum of squares, at 1 + 2v and 2 + 2v anchor v's sensitive and free ones."""
+        ...
+
+    def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(replicated, sharded) [KL_k, dKL_k / dlam_k] of its protected tensors, float64 [2, K] on the CPU."""
+        ...
+
+    def strengths(self, lams: Sequence[float]) -> Sequence[torch.Tensor]:
+        """The pull lam e of every protected coordinate (e its eigenvalue in F), a tensor at a time."""
+        ...
+
+    def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the tensors it keeps beside the parameters, those it keeps offloaded)."""
+        ...
+
+    @property
+    def shard_device(self) -> torch.device | None:
+        """The device its sharded sums are all-reduced on; None when it holds nothing sharded."""
+        ...
+
+
+def complete(geometries: Sequence[GeometryState], parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The sum over `parts` (each geometry's (replicated, sharded) sums, in order) with the sharded ones added
+    across processes: one all-reduce, on the first shard device (none when nothing is sharded)."""
+    replicated = sum((r for r, _ in parts), torch.zeros_like(parts[0][0]))
+    sharded = sum((s for _, s in parts), torch.zeros_like(parts[0][1]))
+    device = next((g.shard_device for g in geometries if g.shard_device is not None), None)
+    if device is not None:
+        sharded = sharded.to(device)
+        all_reduce_sum_([sharded])
+    return replicated + sharded.cpu()
 
 
 @dataclass(frozen=True)

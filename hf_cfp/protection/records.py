@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..anchor import FisherAnchor
+from ..geometry.binding import HeldRange
 from ..geometry.diagonal.artifact import TensorsOf
+from ..geometry.diagonal.binding import BoundTensor
 from ..geometry.kronecker.basis import KroneckerBasis
+from ..geometry.kronecker.binding import BoundKronecker
 from ..geometry.kronecker.views import AnchorWeights
 from ..ops import free_threshold
 from ..parallel import local_tensor
-from .binding import BoundTensor, HeldRange
-from .kronecker_binding import BoundKronecker
 from .memory import MemoryPlan
 from .peft_adapters import AdaptedWeight
 from .theta0 import Theta0Reader

@@ -11,19 +11,19 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
+from ..geometry.base import GeometryState, complete
+from ..geometry.diagonal.binding import bind_anchor
+from ..geometry.diagonal.state import Chained, DiagonalTensors, pull_profile, sparse_correction
+from ..geometry.kronecker.binding import bind_kronecker
+from ..geometry.kronecker.state import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
+from ..geometry.kronecker.summed import SummedTensors, summed_tensors
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, SUMMED_ITERATIONS, drift_keys
 from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
-from .binding import bind_anchor
-from .diagonal import Chained, DiagonalTensors, pull_profile, sparse_correction
-from .geometry import Geometry, complete
-from .kronecker import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
-from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
 from .peft_adapters import adapted_drift_sq, peft_view
 from .records import AdaptedTensor, adapted_tensors, anchor_views, track
-from .summed import SummedTensors, summed_tensors
 from .theta0 import Theta0Pieces, Theta0Reader
 
 
@@ -93,9 +93,11 @@ class CFPState:
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
         several = summed_tensors(tracked, names)
         kronecker = KroneckerTensors(views, names, several)
-        refuse_unsolvable(adapted, names, memory, kronecker)
+        refuse_unsolvable(adapted, names, memory.sparse is not None, kronecker)
         sparse, report = (
-            sparse_correction(memory, protecting, bound, tracked) if memory.sparse is not None else (None, None)
+            sparse_correction(float(memory.sparse), memory.sparse_by, protecting, bound, tracked)
+            if memory.sparse is not None
+            else (None, None)
         )
         thresholds = {name: v.threshold for name, v in views.items()}
         diagonal = DiagonalTensors(tracked, names, thresholds, sparse, several)
@@ -116,7 +118,7 @@ class CFPState:
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
         self.summed = summed
-        self.geometries: tuple[Geometry, ...] = (diagonal, kronecker, summed)
+        self.geometries: tuple[GeometryState, ...] = (diagonal, kronecker, summed)
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()

@@ -58,8 +58,8 @@ def truncated_anchor(anchor: FisherAnchor, rank: int, name: str, tail: str = "ze
 
     rho = 0 with `tail="zero"` (the rest free: CFP pulls on the top r x r block of each weight's rotated coordinates
     alone), rho = (tr A - sum alpha[:r]) / (in - r) with `tail="mean"` (trace-preserving; CFP's exact four-block
-    map, `hf_cfp.geometry.kronecker.basis`). A zero tail is kept as no tail at all: the same quadratic and correction, on the
-    two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
+    map, `hf_cfp.geometry.kronecker.basis`). A zero tail is kept as no tail at all: the same quadratic and correction,
+    on the two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
     diagonal F of its other parameters is unchanged. The metadata is copied with `kfac_rank`, `kfac_tail`,
     `kfac_floats_per_param`, `derived_from` (the anchor's name) and `transform` added.
     """

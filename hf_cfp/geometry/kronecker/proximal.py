@@ -1,7 +1,8 @@
 """The Kronecker geometry's CFP correction, drift and KL-budget terms in a basis's blocks (`basis`; pure math).
 
 The CFP correction, the exact proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal D = theta' - theta0,
-scales each block's coordinates by 1 / (1 + lam eigenvalue); with the pulled shares w = lam e / (1 + lam e) of each block, it subtracts
+scales each block's coordinates by 1 / (1 + lam eigenvalue); with the pulled shares w = lam e / (1 + lam e) of each
+block, it subtracts
 
     shrink = w_tt D + U_G [(w_kt - w_tt) N + ((w_kk - w_kt - w_tk + w_tt) P) U_A^T] + [(w_tk - w_tt) M] U_A^T
 

@@ -1,4 +1,5 @@
-"""The K-FAC correction and drift (`geometry.kronecker.basis`) against dense float64 references on row-major vec(Delta)."""
+"""The K-FAC correction and drift (`geometry.kronecker.basis`) against dense float64 references on row-major
+vec(Delta)."""
 
 from dataclasses import replace
 

@@ -1,6 +1,7 @@
-"""The summed proximal map of several anchors on one weight (`geometry.kronecker.summed_solve`) against a dense float64 solve of
-(I + sum_k lam_k kron(G_k, A_k) + diag(sum_j lam_j F_j)) vec(X) = vec(D) (row-major vec), for full-rank and
-truncated-with-tails bases, with and without a diagonal term; split into row shards it gives the same X."""
+"""The summed proximal map of several anchors on one weight (`geometry.kronecker.summed_solve`) against a dense
+float64 solve of (I + sum_k lam_k kron(G_k, A_k) + diag(sum_j lam_j F_j)) vec(X) = vec(D) (row-major vec), for
+full-rank and truncated-with-tails bases, with and without a diagonal term; split into row shards it gives the same
+X."""
 
 import threading
 

@@ -1,10 +1,10 @@
 """The weights several protecting anchors cover, some of them with Kronecker factors: corrected by the exact
-proximal map of the summed penalty (`geometry.kronecker.summed_solve`), measured per anchor in each anchor's eigenbasis.
+proximal map of the summed penalty (`summed_solve`), measured per anchor in each anchor's eigenbasis.
 
 A weight joins when a protecting K-FAC anchor factors it and another protecting anchor covers it (factored or
-with a diagonal F); every other weight keeps one anchor's closed form (`kronecker.KroneckerTensors`,
-`diagonal.DiagonalTensors`). Weights are solved one at a time. A weight held whole on several processes (DDP) is
-solved by one owning process (`kronecker.balanced_owners`, by the products one iteration costs) and the corrected
+with a diagonal F); every other weight keeps one anchor's closed form (`state.KroneckerTensors`,
+`diagonal.state.DiagonalTensors`). Weights are solved one at a time. A weight held whole on several processes (DDP) is
+solved by one owning process (`state.balanced_owners`, by the products one iteration costs) and the corrected
 weights reach the others in one all-reduce per correction; a row-sharded one (FSDP2) is solved by every process on
 its rows, each projection and dot product completed by an all-reduce.
 
@@ -17,16 +17,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import CFPArgumentError
-from ..geometry.kronecker.artifact import stored_parts
-from ..geometry.kronecker.proximal import kfac_drift_squares
-from ..geometry.kronecker.summed_solve import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
-from ..parallel import all_reduce_sum_, process_rank_and_count
-from .kronecker import balanced_owners
-from .records import AnchorView, TrackedTensor
+from ...errors import CFPArgumentError
+from ...parallel import all_reduce_sum_, process_rank_and_count
+from ..base import Tracked, View
+from .artifact import stored_parts
+from .proximal import kfac_drift_squares
+from .state import balanced_owners
+from .summed_solve import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
 
 
-def summed_tensors(tracked: Sequence[TrackedTensor], protecting: Sequence[str]) -> list[TrackedTensor]:
+def summed_tensors(tracked: Sequence[Tracked], protecting: Sequence[str]) -> list[Tracked]:
     """The tracked tensors a protecting K-FAC anchor factors and at least one other protecting anchor covers."""
     return [
         t
@@ -50,7 +50,7 @@ class SummedTensors:
         protecting: the protecting anchors' names, in the order of the lams.
     """
 
-    def __init__(self, tensors: list[TrackedTensor], views: Mapping[str, AnchorView], protecting: Sequence[str]):
+    def __init__(self, tensors: list[Tracked], views: Mapping[str, View], protecting: Sequence[str]):
         self.tensors, self.protecting = tensors, list(protecting)
         self.order, self.thresholds = list(views), {name: view.threshold for name, view in views.items()}
         self.dtypes = [torch.float64 if t.param.dtype == torch.float64 else torch.float32 for t in tensors]
@@ -120,7 +120,7 @@ class SummedTensors:
     @torch.no_grad()
     def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(replicated, sharded) float64 [1 + 2V]: per K-FAC anchor v on these weights its sensitive sum at 1 + 2v
-        and its free part at 2 + 2v (`geometry.kronecker.basis.kfac_drift_squares`; nothing at 0, the total drift runs over every
+        and its free part at 2 + 2v (`basis.kfac_drift_squares`; nothing at 0, the total drift runs over every
         tracked tensor in `DiagonalTensors`)."""
         size = 1 + 2 * len(self.order)
         replicated, sharded = torch.zeros(size, dtype=torch.float64), torch.zeros(size, dtype=torch.float64)

@@ -1,11 +1,12 @@
-"""The tensors whose F is a diagonal: corrected elementwise, measured and budgeted coordinate by coordinate.
+"""The diagonal geometry's per-step state: the tensors whose F is a diagonal, corrected elementwise, measured and
+budgeted coordinate by coordinate.
 
 `DiagonalTensors` is what `CFPState`'s correction, drift metrics and KL budget consume for them: the lists
 `ops.correction.proximal_pull_`, `ops.drift.drift_squares` and `ops.budget.budget_terms` take, built once at bind
 (only the parameters' local tensors are resolved at each use: FSDP2 and ZeRO-3 may replace them). Sums come in
 two parts, over replicated tensors (counted once) and over sharded ones (added across processes by the caller,
-one collective for every geometry). It is one `geometry.Geometry` of `CFPState`; a Kronecker-factored F is
-another (`kronecker.KroneckerTensors`).
+one collective for every geometry). It is one `base.GeometryState` of `CFPState`; a Kronecker-factored F is
+another (`kronecker.state.KroneckerTensors`).
 """
 
 from collections.abc import Mapping, Sequence
@@ -13,12 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..anchor import FisherAnchor
-from ..geometry.diagonal.artifact import TensorsOf
-from ..ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_
+from ...ops import DriftView, PullStrengths, budget_terms, drift_squares, free_threshold, proximal_pull_
+from ..base import NamedFisher, Tracked
+from .artifact import TensorsOf
 from .binding import BoundTensor
-from .memory import MemoryPlan
-from .records import TrackedTensor
 from .sparse import SparseCorrection, SparseReport, coordinate_threshold, mass_threshold, sparse_report
 
 
@@ -27,12 +26,12 @@ class PullPart:
     """Some protected tensors as the correction and the budget take them: theta0 and the row of each protecting
     anchor's F (None where one does not cover the tensor) of each."""
 
-    tensors: list[TrackedTensor]
+    tensors: list[Tracked]
     theta0: list[torch.Tensor]
     rows: list[list[torch.Tensor | None]]
 
     @classmethod
-    def of(cls, tensors: list[TrackedTensor], protecting: Sequence[str]) -> "PullPart":
+    def of(cls, tensors: list[Tracked], protecting: Sequence[str]) -> "PullPart":
         return cls(tensors, [t.theta0 for t in tensors], [t.row(protecting) for t in tensors])
 
     def locals(self) -> list[torch.Tensor]:
@@ -49,12 +48,12 @@ class DriftPart:
     """Some tracked tensors as the drift sums take them: theta0, and one `DriftView` per anchor (its F on each
     tensor or None, its threshold)."""
 
-    tensors: list[TrackedTensor]
+    tensors: list[Tracked]
     theta0: list[torch.Tensor]
     views: list[DriftView]
 
     @classmethod
-    def of(cls, tensors: list[TrackedTensor], thresholds: Mapping[str, float]) -> "DriftPart":
+    def of(cls, tensors: list[Tracked], thresholds: Mapping[str, float]) -> "DriftPart":
         views = [DriftView([t.fisher.get(name) for t in tensors], threshold) for name, threshold in thresholds.items()]
         return cls(tensors, [t.theta0 for t in tensors], views)
 
@@ -77,11 +76,11 @@ class DiagonalTensors:
 
     def __init__(
         self,
-        tensors: list[TrackedTensor],
+        tensors: Sequence[Tracked],
         protecting: Sequence[str],
         thresholds: Mapping[str, float],
         sparse: SparseCorrection | None = None,
-        summed: Sequence[TrackedTensor] = (),
+        summed: Sequence[Tracked] = (),
     ):
         self.tensors, self.sparse = tensors, sparse
         solved = {id(t) for t in summed}
@@ -157,16 +156,17 @@ class Chained(Sequence[torch.Tensor]):
 
 
 def sparse_correction(
-    memory: MemoryPlan,
-    protecting: Sequence[FisherAnchor],
+    share: float,
+    by: str,
+    protecting: Sequence[NamedFisher],
     bound: Mapping[str, list[BoundTensor]],
-    tensors: list[TrackedTensor],
+    tensors: Sequence[Tracked],
 ) -> tuple[SparseCorrection, SparseReport]:
-    """The kept coordinates of the protected `tensors` under a sparse plan, and what they keep: each protecting
-    anchor's threshold over its full F on the parameters it binds (the same on every process; `sparse`), the
-    report read from the full F one parameter at a time."""
-    pick = coordinate_threshold if memory.sparse_by == "coordinates" else mass_threshold
-    share = float(memory.sparse)  # type: ignore[arg-type]
+    """The kept coordinates of the protected `tensors` under a sparse plan keeping the top `share` of each
+    protecting anchor's F `by` "coordinates" or "mass", and what they keep: each protecting anchor's threshold over
+    its full F on the parameters it binds (the same on every process; `sparse`), the report read from the full F
+    one parameter at a time."""
+    pick = coordinate_threshold if by == "coordinates" else mass_threshold
     thresholds = [pick(TensorsOf(a.fisher, [t.name for t in bound[a.name]]), share) for a in protecting]
     names = [a.name for a in protecting]
     protected = [t for t in tensors if t.covered_by(names)]

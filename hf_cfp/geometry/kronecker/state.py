@@ -1,7 +1,8 @@
-"""The tensors whose F is Kronecker-factored: corrected, measured and budgeted in their factors' eigenbases.
+"""The Kronecker geometry's per-step state: the weights whose F is Kronecker-factored, corrected, measured and
+budgeted in their factors' eigenbases.
 
-`KroneckerTensors` is what `CFPState` adds beside `diagonal.DiagonalTensors` for the weights of K-FAC anchors
-(`geometry.kronecker.basis` states the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
+`KroneckerTensors` is what `CFPState` adds beside the diagonal geometry's state for the weights of K-FAC anchors
+(`basis` and `proximal` state the math). Weights of one shape are rotated together, up to `BATCH` at a time (batched
 products). A weight held whole is rotated locally; replicated on several processes (DDP), each batch is corrected
 by one owning process (`balanced_owners`, by FLOPs) and the corrected weights reach the others in one all-reduce
 per correction (their values, zeros from the other processes: 2 bytes per bfloat16 parameter, like a gradient
@@ -16,13 +17,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..errors import CFPArgumentError
-from ..geometry.kronecker.artifact import stored_parts
-from ..geometry.kronecker.basis import KroneckerBasis, Projection, projected
-from ..geometry.kronecker.proximal import kfac_budget_terms, kfac_drift_squares, pull_
-from ..parallel import all_reduce_sum_, process_rank_and_count
-from .memory import MemoryPlan
-from .records import AdaptedTensor, AnchorView, TrackedTensor
+from ...errors import CFPArgumentError
+from ...parallel import all_reduce_sum_, process_rank_and_count
+from ..base import Adapted, Tracked, View
+from .artifact import stored_parts
+from .basis import KroneckerBasis, Projection, projected
+from .proximal import kfac_budget_terms, kfac_drift_squares, pull_
 
 BATCH = 8  # weights of one shape rotated together: batched products (on a GPU, far fewer kernel launches)
 
@@ -33,7 +33,7 @@ class _Batch:
     of its slice, so the bases are held once. Their displacements are stacked per use (n weights' worth); each
     weight is corrected in place."""
 
-    def __init__(self, anchor: str, tensors: list[TrackedTensor]):
+    def __init__(self, anchor: str, tensors: list[Tracked]):
         self.tensors = tensors
         dtype = tensors[0].param.dtype
         dtype = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
@@ -59,9 +59,9 @@ class _Batch:
 class _Factored:
     """One anchor's K-FAC weights of one kind (held whole, or row-sharded), in batches of like weights."""
 
-    def __init__(self, anchor: str, tensors: list[TrackedTensor], sharded: bool):
+    def __init__(self, anchor: str, tensors: list[Tracked], sharded: bool):
         self.anchor, self.sharded = anchor, sharded
-        kinds: dict[tuple, list[TrackedTensor]] = {}
+        kinds: dict[tuple, list[Tracked]] = {}
         for t in tensors:  # keyed by the full shape: every process forms the same batches (their collectives match)
             basis, local = t.kfac[anchor], t.oriented(t.local())
             key = (
@@ -87,12 +87,12 @@ class _Factored:
             all_reduce_sum_(partials)
 
     def rotated(self, batch: _Batch) -> Projection:
-        """The projection of theta - theta0 of one batch now (`geometry.kronecker.basis.Projection`, n stacked), complete."""
+        """The projection of theta - theta0 of one batch now (`basis.Projection`, n stacked), complete."""
         return projected([batch.displacements()], [batch.basis], self.reduce)[0]
 
     @torch.no_grad()
     def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
-        """Every weight pulled in place from its batch's projected proposal (`geometry.kronecker.basis.pull_`;
+        """Every weight pulled in place from its batch's projected proposal (`basis.pull_`;
         projected here one batch at a time unless given). Under DDP a process zeroes the
         weights of the batches others own, and one all-reduce brings every weight the owner's value."""
         for i, batch in enumerate(self.batches):
@@ -107,7 +107,7 @@ class _Factored:
 
     @torch.no_grad()
     def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(complete, local) `geometry.kronecker.basis.kfac_drift_squares` over every batch."""
+        """(complete, local) `basis.kfac_drift_squares` over every batch."""
         complete, local = torch.zeros(2, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
         for b in self.batches:
             found = kfac_drift_squares([b.displacements()], [b.basis], threshold, self.reduce)
@@ -116,7 +116,7 @@ class _Factored:
 
 
 def _flops(batch: _Batch) -> int:
-    """The multiply-adds of one batch's correction, about 4 out in r per weight (`geometry.kronecker.basis`)."""
+    """The multiply-adds of one batch's correction, about 4 out in r per weight (`basis`)."""
     basis = batch.basis
     out_dim, rank = basis.g_vectors.shape[-2], max(basis.a_values.shape[-1], basis.g_values.shape[-1])
     return len(batch.tensors) * out_dim * basis.a_vectors.shape[-2] * rank
@@ -137,15 +137,13 @@ class KroneckerTensors:
     """The K-FAC weights of every anchor, and the protected ones (those of protecting anchors).
 
     Args:
-        views: every anchor's view (`records.AnchorView`), in the order of the metrics.
+        views: every anchor's view (`base.View`), in the order of the metrics.
         protecting: the protecting anchors' names, in the order of the lams.
         summed: the weights under several protecting anchors (`summed.SummedTensors` corrects and measures them),
             left out here.
     """
 
-    def __init__(
-        self, views: Mapping[str, AnchorView], protecting: Sequence[str], summed: Sequence[TrackedTensor] = ()
-    ):
+    def __init__(self, views: Mapping[str, View], protecting: Sequence[str], summed: Sequence[Tracked] = ()):
         self.order = list(views)
         solved = {id(t) for t in summed}
         own = {name: [t for t in view.kronecker if id(t) not in solved] for name, view in views.items()}
@@ -178,7 +176,7 @@ class KroneckerTensors:
         return self._proposal[1]
 
     def correct(self, lams: Sequence[float]) -> None:
-        """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`geometry.kronecker.basis.kfac_pull_`) on every
+        """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`basis.kfac_pull_`) on every
         protected weight, with its anchor's lam: from the kept proposals after a budget solve, else projecting one
         batch at a time (its temporaries: a few stacks of BATCH weights)."""
         kept = self._proposal[1] if self._proposal is not None and self._proposal[0] == self._versions() else None
@@ -202,7 +200,7 @@ class KroneckerTensors:
 
     def budget_terms(self, lams: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor]:
         """(complete, nothing to add across processes): [KL_k, dKL_k / dlam_k] of the protected K-FAC weights
-        (float64 [2, K], complete on every process) for the projected proposals (`geometry.kronecker.basis.kfac_budget_terms`)."""
+        (float64 [2, K], complete on every process) for the projected proposals (`basis.kfac_budget_terms`)."""
         terms = torch.zeros(2, len(self.protecting), dtype=torch.float64)
         for (k, group), rotated in zip(self.protected(), self.proposal(), strict=True):
             terms[:, k] += kfac_budget_terms(rotated, [b.basis for b in group.batches], lams[k])
@@ -247,11 +245,11 @@ class _Strengths(Sequence[torch.Tensor]):
 
 
 def refuse_unsolvable(
-    adapted: Sequence[AdaptedTensor], protecting: Sequence[str], memory: MemoryPlan, kronecker: KroneckerTensors
+    adapted: Sequence[Adapted], protecting: Sequence[str], sparse: bool, kronecker: KroneckerTensors
 ) -> None:
     """CFPArgumentError for what has no exact correction with K-FAC anchors: a LoRA-adapted weight factored by one
-    protecting anchor and covered by another (the adapter rules solve one anchor's closed form), and a sparse plan
-    (it keeps coordinates of a diagonal F)."""
+    protecting anchor and covered by another (the adapter rules solve one anchor's closed form), and a `sparse`
+    memory plan (it keeps coordinates of a diagonal F)."""
     for a in adapted:
         factoring = [name for name in protecting if name in a.kfac]
         covering = [name for name in protecting if name in a.fisher or name in a.kfac]
@@ -262,16 +260,16 @@ def refuse_unsolvable(
                 "Protect it with one of them and pass the others as monitor= (their drift is still logged), or "
                 "train the weight in full (several protecting anchors are solved exactly on full weights)."
             )
-    if memory.sparse is not None and kronecker.protected():
+    if sparse and kronecker.protected():
         raise CFPArgumentError(
             "sparse keeps the top coordinates of a diagonal F; a protecting K-FAC anchor has none on its factored "
             "weights. Use sparse=None with a K-FAC anchor (kfac_rank truncates it instead)."
         )
 
 
-def adapted_kronecker_squares(adapted: Sequence[AdaptedTensor], views: Mapping[str, AnchorView]) -> torch.Tensor:
+def adapted_kronecker_squares(adapted: Sequence[Adapted], views: Mapping[str, View]) -> torch.Tensor:
     """The K-FAC anchors' sensitive and free sums over the LoRA-adapted weights they factor, float64 [1 + 2V] in the
-    metric order (nothing at 0: `peft_adapters.adapted_drift_sq` sums every adapted weight's Delta_W^2): the
+    metric order (nothing at 0: `protection.peft_adapters.adapted_drift_sq` sums every adapted weight's Delta_W^2): the
     merged displacement Delta_W = s B A - s0 B0 A0 in the base weight's eigenbases (one process holds it whole)."""
     sums = torch.zeros(1 + 2 * len(views), dtype=torch.float64)
     for v, (name, view) in enumerate(views.items()):

@@ -1,4 +1,5 @@
-"""Sparse correction: only the coordinates carrying the top share of each protecting anchor's F are corrected.
+"""The diagonal geometry's sparse correction: only the coordinates carrying the top share of each protecting anchor's
+F are corrected.
 
 Anchor k keeps the coordinates with F_{k,i} > t_k, its threshold over its full F (the same on every process):
 
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import flat, free_threshold, proximal_pull_, spans
+from ...ops import flat, free_threshold, proximal_pull_, spans
 
 
 def coordinate_threshold(fisher: Sequence[torch.Tensor], share: float) -> float:

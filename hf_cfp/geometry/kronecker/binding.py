@@ -1,5 +1,5 @@
-"""Bind a K-FAC anchor's Kronecker-factored weights to a live model: match names, check the factors' shapes against
-the layer, and keep the eigenbases this process needs on the weight's device.
+"""The Kronecker geometry's binding: a K-FAC anchor's factored weights bound to a live model: match names, check the
+factors' shapes against the layer, and keep the eigenbases this process needs on the weight's device.
 
 A weight W (out x in) needs Q_A (in x r_A) whole and the rows of Q_G (out x r_G) for the rows of W it holds: all
 of them under DDP, its rows under FSDP2 (a DTensor sharded on dim 0; from a lazy anchor only those rows are read).
@@ -16,13 +16,13 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers.pytorch_utils import Conv1D
 
-from ..anchor import FisherAnchor
-from ..errors import AnchorMismatchError, CFPArgumentError
-from ..geometry.kronecker.artifact import LazyBases, weight_shape
-from ..geometry.kronecker.basis import KroneckerBasis
-from ..parallel.shards import dtensor_local_block
-from ..quantized import logical_shape
-from .binding import HeldRange, matched_parameters
+from ...errors import AnchorMismatchError, CFPArgumentError
+from ...parallel.shards import dtensor_local_block
+from ...quantized import logical_shape
+from ..base import NamedFisher
+from ..binding import HeldRange, matched_parameters
+from .artifact import LazyBases, weight_shape
+from .basis import KroneckerBasis
 
 
 @dataclass
@@ -38,11 +38,11 @@ class BoundKronecker:
 
 
 def bind_kronecker(
-    anchor: FisherAnchor, model: torch.nn.Module, names: Mapping[str, torch.Tensor] | None = None
+    anchor: NamedFisher, model: torch.nn.Module, names: Mapping[str, torch.Tensor] | None = None
 ) -> list[BoundKronecker]:
     """Every K-FAC weight of `anchor` matched by canonical name to a trainable parameter of `model` (`names`: the
-    base-model names of a PeftModel, as for `binding.bind_anchor`). Frozen ones are skipped; a LoRA-adapted base
-    weight is bound by `peft_adapters`, not here.
+    base-model names of a PeftModel, as for `geometry.binding.matched_parameters`). Frozen ones are skipped; a
+    LoRA-adapted base weight is bound by `protection.peft_adapters`, not here.
 
     Raises:
         AnchorMismatchError: a weight the model does not have, or factors whose sizes do not fit its shape.
@@ -56,7 +56,7 @@ def bind_kronecker(
     ]
 
 
-def _check_factors(anchor: FisherAnchor, name: str, param: torch.Tensor, piece, conv1d: set[int]) -> None:
+def _check_factors(anchor: NamedFisher, name: str, param: torch.Tensor, piece, conv1d: set[int]) -> None:
     """A weight held as a flat piece cannot be rotated; factors must fit the weight (W^T for a Conv1D)."""
     if piece is not None:
         raise CFPArgumentError(
@@ -74,7 +74,7 @@ def _check_factors(anchor: FisherAnchor, name: str, param: torch.Tensor, piece, 
         )
 
 
-def _bound(anchor: FisherAnchor, name: str, param: torch.Tensor, transposed: bool, numel: int) -> BoundKronecker:
+def _bound(anchor: NamedFisher, name: str, param: torch.Tensor, transposed: bool, numel: int) -> BoundKronecker:
     """The basis this process needs for `param` (all rows, or a DTensor's local rows), on its device."""
     rows, sharded, held = slice(None), False, HeldRange(0, numel, numel)
     if isinstance(param, DTensor):

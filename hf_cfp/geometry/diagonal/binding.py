@@ -1,4 +1,5 @@
-"""Bind an anchor to a live model: match canonical names, check shapes, move F to each device.
+"""The diagonal geometry's binding: an anchor's F matched to a live model (canonical names, shapes), each process's
+part of it moved to its device.
 
 Under DDP every process holds full parameters and binds the full F. Under FSDP2, FSDP1 and
 ZeRO-3 a process holds a piece of a parameter (`hf_cfp.parallel.shards`): it binds the slice
@@ -12,28 +13,14 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers.utils import logging
 
-from ..anchor import FisherAnchor
-from ..errors import AnchorMismatchError
-from ..geometry.diagonal.artifact import fisher_shape, read_block, read_flat
-from ..names import canonical_name
-from ..parallel.fsdp1 import FlatPiece
-from ..parallel.processes import log_on_main_process
-from ..parallel.shards import dtensor_flat_range, dtensor_local_block, held_pieces
-from ..quantized import logical_shape
-
-logger = logging.get_logger(__name__)
-
-
-@dataclass(frozen=True)
-class HeldRange:
-    """Elements [start, stop) of the row-major flattened full parameter (`numel` elements) that this
-    process holds; None bounds when its part is not one contiguous run (a DTensor split on a later dim)."""
-
-    start: int | None
-    stop: int | None
-    numel: int
+from ...errors import AnchorMismatchError
+from ...parallel.fsdp1 import FlatPiece
+from ...parallel.shards import dtensor_flat_range, dtensor_local_block
+from ...quantized import logical_shape
+from ..base import NamedFisher
+from ..binding import HeldRange, matched_parameters
+from .artifact import fisher_shape, read_block, read_flat
 
 
 @dataclass
@@ -53,7 +40,7 @@ def float32_beside(fisher: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 def bind_anchor(
-    anchor: FisherAnchor,
+    anchor: NamedFisher,
     model: torch.nn.Module,
     names: dict[str, torch.Tensor] | None = None,
     store: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = float32_beside,
@@ -61,8 +48,8 @@ def bind_anchor(
     """Match every tensor of `anchor.fisher` to a parameter of `model` by canonical name.
 
     `names` adds names -> parameters the model does not give itself: a PeftModel's base-model names
-    (`peft_adapters.PeftView.params`), which take precedence. `store(F, param)` returns F as kept (dtype and
-    device, `memory.MemoryPlan.store_fisher`).
+    (`protection.peft_adapters.PeftView.params`), which take precedence. `store(F, param)` returns F as kept (dtype and
+    device, `protection.memory.MemoryPlan.store_fisher`).
 
     Raises AnchorMismatchError naming the parameter when a name is missing or a shape differs (a weight
     quantized by bitsandbytes, frozen under QLoRA, is compared by its logical shape: `quantized`).
@@ -78,7 +65,7 @@ def bind_anchor(
     return bound
 
 
-def _check_shape(anchor: FisherAnchor, name: str, param: torch.Tensor, piece: FlatPiece | None) -> None:
+def _check_shape(anchor: NamedFisher, name: str, param: torch.Tensor, piece: FlatPiece | None) -> None:
     shape = tuple(piece.shape if piece else logical_shape(param))  # a 4-bit weight's own shape is packed
     anchor_shape = tuple(fisher_shape(anchor.fisher, name))
     if anchor_shape != shape:
@@ -86,62 +73,6 @@ def _check_shape(anchor: FisherAnchor, name: str, param: torch.Tensor, piece: Fl
             f"Anchor {anchor.name!r}: parameter {name!r} has shape {anchor_shape} in the anchor "
             f"but {shape} in the model. Was the anchor computed for another model?"
         )
-
-
-CheckShape = Callable[[FisherAnchor, str, torch.Tensor, "FlatPiece | None"], None]
-
-
-def matched_parameters(
-    anchor: FisherAnchor,
-    wanted: list[str],
-    model: torch.nn.Module,
-    names: Mapping[str, torch.Tensor] | None,
-    check: CheckShape,
-) -> list[tuple[str, torch.Tensor, FlatPiece | None]]:
-    """(name, parameter, its held flat piece or None) of every name in `wanted` (an anchor's parameter names, in
-    its order) that the model trains, each parameter once (a tied one under the first of its names); `check`
-    raises for a shape that does not fit. Frozen parameters never move: they are skipped, one log line says which.
-
-    Raises:
-        AnchorMismatchError: a name the model does not have (or `check`'s).
-    """
-    by_name, pieces = parameters_by_name(model, dict(names) if names else None)
-    matched, seen, frozen = [], set(), []
-    for name in wanted:
-        param = by_name.get(name)
-        if param is None:
-            raise AnchorMismatchError(
-                f"Anchor {anchor.name!r} has parameter {name!r}, which the model does not have. "
-                f"Was the anchor computed for another model? (The model's first parameter is "
-                f"{next(iter(by_name), '<none>')!r}.)"
-            )
-        piece = pieces.get(id(param))
-        check(anchor, name, param, piece)
-        if not (piece.trainable if piece else param.requires_grad):
-            frozen.append(name)
-        elif id(param) not in seen:
-            seen.add(id(param))
-            matched.append((name, param, piece))
-    if frozen:
-        log_on_main_process(
-            logger.info, "Anchor %r: %d frozen parameters left alone (e.g. %s).", anchor.name, len(frozen), frozen[0]
-        )
-    return matched
-
-
-def parameters_by_name(
-    model: torch.nn.Module, names: dict[str, torch.Tensor] | None
-) -> tuple[dict[str, torch.Tensor], dict[int, FlatPiece]]:
-    """(every canonical name, tied aliases included, -> the parameter standing there: FSDP1 flat views by their
-    original names, `names` taking precedence; id(tensor) -> its held piece, `parallel.shards.held_pieces`)."""
-    by_name: dict[str, torch.Tensor] = {}
-    for alias, parameter in model.named_parameters(remove_duplicate=False):
-        by_name.setdefault(canonical_name(alias), parameter)
-    flat_views, pieces = held_pieces(model)
-    by_name.update(flat_views)
-    if names:
-        by_name = {**names, **{n: p for n, p in by_name.items() if n not in names}}
-    return by_name, pieces
 
 
 def _held_part(
