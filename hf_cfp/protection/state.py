@@ -22,6 +22,7 @@ from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
 from .memory import MemoryPlan
+from .path import Path
 from .peft_adapters import adapted_drift_sq, peft_view
 from .records import AdaptedTensor, adapted_tensors, anchor_views, track
 from .theta0 import Theta0Pieces, Theta0Reader
@@ -43,11 +44,12 @@ class CFPState:
 
     What it holds, as named records (`records`): `tensors`, one `TrackedTensor` per covered trainable parameter
     (theta0, held range, each anchor's F); `views`, one `AnchorView` per anchor (its tensors, its free-drift
-    threshold); `diagonal`, the tensors whose F is a diagonal, with the lists the per-step ops take (`diagonal`);
-    `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F is one
-    `geometry.Geometry` in `geometries` (`diagonal`, the tensors whose F is a diagonal; `kronecker`, the weights
-    K-FAC anchors factor; `summed`, the weights under several protecting anchors, some K-FAC): every method below
-    runs them alike, with no branch on the structure.
+    threshold); `path`, theta0 and the total drift of the tracked tensors, which belong to no geometry (`path`);
+    `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F keeps its per-step
+    state (`geometry.base.GeometryState`) in `geometries` beside the path (`diagonal`, the tensors whose F is a
+    diagonal, `geometry.diagonal.state`; `kronecker`, the weights K-FAC anchors factor, and `summed`, the weights
+    under several protecting anchors, some K-FAC, `geometry.kronecker`): every method below runs them alike, with
+    no branch on the structure.
 
     Args:
         model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
@@ -118,7 +120,8 @@ class CFPState:
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
         self.summed = summed
-        self.geometries: tuple[GeometryState, ...] = (diagonal, kronecker, summed)
+        self.path = Path(tracked, len(views))  # theta0 and the total drift: no geometry's
+        self.geometries: tuple[GeometryState, ...] = (self.path, diagonal, kronecker, summed)
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
@@ -132,8 +135,8 @@ class CFPState:
 
     @property
     def theta0(self) -> list[torch.Tensor]:
-        """theta0 of each tracked parameter (this process's part), in the order of `names`."""
-        return [t.theta0 for t in self.tensors]
+        """theta0 of each tracked parameter (this process's part), in the order of `names` (the path's origin)."""
+        return self.path.theta0
 
     def theta0_pieces(self) -> Theta0Pieces:
         """This state's theta0 pieces and LoRA factors at train begin, as a `Theta0Reader`: a state binding other

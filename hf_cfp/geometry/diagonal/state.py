@@ -58,15 +58,18 @@ class DriftPart:
         return cls(tensors, [t.theta0 for t in tensors], views)
 
     def squares(self) -> torch.Tensor:
-        """`drift_squares` of these tensors now (detached): float64 [1 + 2V] on the CPU."""
-        return drift_squares([t.local().detach() for t in self.tensors], self.theta0, self.views)
+        """`drift_squares` of these tensors now (detached): float64 [1 + 2V] on the CPU, each view's sensitive and free
+        sums; nothing at 0 (the total drift is the path's, `protection.path`)."""
+        sums = drift_squares([t.local().detach() for t in self.tensors], self.theta0, self.views)
+        sums[0] = 0.0
+        return sums
 
 
 class DiagonalTensors:
     """The tracked tensors with a diagonal F, and the protected ones among them (covered by a protecting anchor).
 
     Args:
-        tensors: every tracked tensor (the metrics run over all of them).
+        tensors: every tracked tensor (its drift sums run over those some anchor covers with a diagonal F).
         protecting: the protecting anchors' names, in the order of the lams.
         thresholds: every anchor's free-drift threshold, by name, in the order of the metrics.
         sparse: the kept coordinates of the protected tensors (`sparse.SparseCorrection`), or None (dense).
@@ -86,8 +89,9 @@ class DiagonalTensors:
         solved = {id(t) for t in summed}
         protected = [t for t in tensors if t.covered_by(protecting) and id(t) not in solved]
         self.protected = PullPart.of(protected, protecting)
-        self.replicated_drift = DriftPart.of([t for t in tensors if not t.sharded], thresholds)
-        self.sharded_drift = DriftPart.of([t for t in tensors if t.sharded], thresholds)
+        diagonal = [t for t in tensors if t.fisher]  # what some anchor covers with a diagonal F
+        self.replicated_drift = DriftPart.of([t for t in diagonal if not t.sharded], thresholds)
+        self.sharded_drift = DriftPart.of([t for t in diagonal if t.sharded], thresholds)
         self.replicated_budget = PullPart.of([t for t in protected if not t.sharded], protecting)
         self.sharded_budget = PullPart.of([t for t in protected if t.sharded], protecting)
 
@@ -119,9 +123,9 @@ class DiagonalTensors:
         return PullStrengths(self.protected.rows, lams)
 
     def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(theta0 and every anchor's F of every tracked tensor; the sparse correction's kept indices, theta0 and
-        F, or nothing when dense): the tensors CFP keeps for these coordinates."""
-        full = [t.theta0 for t in self.tensors] + [f for t in self.tensors for f in t.fisher.values()]
+        """(every anchor's diagonal F of every tracked tensor; the sparse correction's kept indices, theta0 and F, or
+        nothing when dense): the tensors CFP keeps for these coordinates (theta0 is the path's)."""
+        full = [f for t in self.tensors for f in t.fisher.values()]
         if self.sparse is None:
             return full, []
         kept = [*self.sparse.indices, *self.sparse.theta0]
