@@ -1,10 +1,14 @@
 """The diagonal geometry: F_i per coordinate. Its estimate sink (`sink`: per-sequence squared scores, split in
-halves), its part of the anchor artifact (`artifact`: the values F may hold, F read lazily from the files); the
-default geometry of every structure (`registry`), it takes every scored parameter no other geometry claims."""
+halves), its part of the anchor artifact (`artifact`: the values F may hold, F read lazily from the files), its
+binding (`binding`: each process's part of F), its per-step state (`state`: the elementwise correction, drift,
+budget terms and footprint; `sparse`, the top share of F corrected); the default geometry of every structure
+(`registry`), it takes every scored parameter no other geometry claims."""
 
 from collections.abc import Sequence
 
-from ..base import Geometry, Scored
+import torch
+
+from ..base import Geometry, NamedFisher, Scored
 from .sink import DiagonalSink
 
 
@@ -13,6 +17,11 @@ def _claim(scored: Sequence[Scored]) -> list[Scored]:
     return list(scored)
 
 
-GEOMETRY = Geometry("diagonal", _claim, DiagonalSink)
+def _dense(anchor: NamedFisher, name: str) -> torch.Tensor | None:
+    """diag(F) of parameter `name`, float64, or None when the anchor keeps no diagonal F for it."""
+    return torch.diag(anchor.fisher[name].double().reshape(-1)) if name in anchor.fisher else None
+
+
+GEOMETRY = Geometry("diagonal", _claim, DiagonalSink, _dense)
 
 __all__ = ["GEOMETRY", "DiagonalSink"]
