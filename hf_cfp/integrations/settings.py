@@ -9,7 +9,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError
-from ..ops.lora_correction import LORA_RULES
+from ..geometry.diagonal.lora import LORA_RULES
 from ..protection import CFPState, MemoryPlan
 from .kl_control import KLMeasurement
 from .options import ProtectionOptions

@@ -1,4 +1,4 @@
-"""The correction group of a protecting anchor's LoRA-adapted weights (see `ops.lora_correction`).
+"""The correction group of a protecting anchor's LoRA-adapted weights (see `geometry.diagonal.lora`).
 
 After each optimizer step every adapted weight whose F is nonzero somewhere gets new factors from the chosen
 rule, applied to the summed pull P = sum_k lam_k F_k of the protecting anchors (one anchor: P = lam F); a weight
@@ -16,10 +16,11 @@ import math
 import torch
 
 from ..errors import CFPArgumentError, CFPError
+from ..geometry.diagonal.lora import LORA_RULES, cfp_target
 from ..geometry.kronecker.basis import KroneckerBasis
 from ..geometry.kronecker.lora import KFAC_LORA_RULES, kfac_target
+from ..geometry.lora import LoraFactors
 from ..ops import pull_strength
-from ..ops.lora_correction import LORA_RULES, LoraFactors, cfp_target
 from .peft_adapters import AdaptedWeight
 
 

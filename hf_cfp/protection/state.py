@@ -60,7 +60,7 @@ class CFPState:
         theta0 (`Theta0Reader`, *optional*): a saved theta0 (`checkpoint.SavedTheta0`) restored instead of a snapshot
             of the weights: resuming, under any number of processes (on a PeftModel, the LoRA factors at train begin).
         lora_rule (`str`, *optional*, defaults to `"proximal_b"`): "proximal_b", "least_squares_b" or "factor_space"
-            (`ops.lora_correction`).
+            (`geometry.diagonal.lora`).
         memory (`MemoryPlan`, *optional*): where and in which dtype theta0 and F are kept (default: dense, F float32).
 
     Raises:

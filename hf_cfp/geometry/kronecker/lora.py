@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ...ops.lora_correction import LoraFactors
+from ..lora import LoraFactors
 from .basis import KroneckerBasis
 from .proximal import kfac_pull_
 

@@ -5,7 +5,7 @@ import torch
 
 from hf_cfp.geometry.kronecker.basis import KroneckerBasis
 from hf_cfp.geometry.kronecker.lora import kfac_least_squares_b, kfac_proximal_b, kfac_target
-from hf_cfp.ops.lora_correction import LoraFactors
+from hf_cfp.geometry.lora import LoraFactors
 
 
 def psd(n: int, g: torch.Generator) -> torch.Tensor:

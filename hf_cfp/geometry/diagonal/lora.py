@@ -1,4 +1,5 @@
-"""The CFP correction carried to LoRA factors (pure tensor math, one adapter on one weight).
+"""The diagonal geometry's LoRA rules: the CFP correction carried to LoRA factors (pure tensor math, one adapter on
+one weight).
 
 A LoRA-adapted weight moves by D = s B A - s0 B0 A0 (B: out x r, A: r x in, (s0, B0, A0) at train
 begin). Full-parameter CFP would replace it by the target
@@ -24,27 +25,10 @@ row is 0 everywhere are returned bitwise unchanged by every rule (their target i
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class LoraFactors:
-    """One adapter's factors on one weight, float32: scale s, B and A now; s0, B0, A0 at train begin."""
-
-    scale: float
-    b: torch.Tensor
-    a: torch.Tensor
-    scale0: float
-    b0: torch.Tensor
-    a0: torch.Tensor
-
-    def displacement(self, b: torch.Tensor | None = None, a: torch.Tensor | None = None) -> torch.Tensor:
-        """D = s B A - s0 B0 A0 (with B, A replaced by `b`, `a` when given)."""
-        b = self.b if b is None else b
-        a = self.a if a is None else a
-        return torch.addmm(torch.mm(b, a), self.b0, self.a0, beta=self.scale, alpha=-self.scale0)
+from ..lora import LoraFactors
 
 
 def cfp_target(delta: torch.Tensor, fisher: torch.Tensor, lam: float) -> torch.Tensor:

@@ -4,14 +4,8 @@ pseudo-inverse, an explicit loop for the pulled-back Fisher, and the closed form
 import pytest
 import torch
 
-from hf_cfp.ops.lora_correction import (
-    LORA_RULES,
-    LoraFactors,
-    cfp_target,
-    factor_space,
-    least_squares_b,
-    proximal_b,
-)
+from hf_cfp.geometry.diagonal.lora import LORA_RULES, cfp_target, factor_space, least_squares_b, proximal_b
+from hf_cfp.geometry.lora import LoraFactors
 
 OUT, RANK, IN = 7, 3, 9
 
