@@ -1,5 +1,5 @@
-"""An anchor kept in its files (`FisherAnchor.from_pretrained(..., lazy=True)`, hf_cfp/anchor/lazy.py): the same
-F, names, statistics and errors as the anchor loaded whole, flat ranges and blocks equal to slices of the full
+"""An anchor kept in its files (`FisherAnchor.from_pretrained(..., lazy=True)`, hf_cfp/geometry/diagonal/artifact.py):
+the same F, names, statistics and errors as the anchor loaded whole, flat ranges and blocks equal to slices of the full
 tensors while reading only the rows that hold them, values checked as they are read, and binding it to a model
 giving the same CFPState as the anchor in memory."""
 
