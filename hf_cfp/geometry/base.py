@@ -244,14 +244,28 @@ def complete(geometries: Sequence[GeometryState], parts: Sequence[tuple[torch.Te
 
 
 @dataclass(frozen=True)
+class Bound:
+    """What `protection.state.CFPState` hands every geometry's `Geometry.states` once the anchors are bound: the
+    tracked tensors, every anchor's view (in the metrics' order), the protecting anchors' names (in the lams' order),
+    and the sparse correction of the protected diagonal F (`diagonal.sparse.SparseCorrection`; None when dense)."""
+
+    tracked: Sequence[Tracked]
+    views: Mapping[str, View]
+    protecting: Sequence[str]
+    sparse: Any = None
+
+
+@dataclass(frozen=True)
 class Geometry:
     """One registered geometry (`registry`): its name, which of the scored parameters it describes (`claim`, of
     those the geometries before it in a structure left), the sink of its estimate over them, and `dense`, its
     quadratic on one parameter of an anchor formed as a float64 matrix on row-major vec(Delta) (the weight as its
-    factors orient it: out x in; None when the anchor does not describe that parameter this way). `dense` is the
+    factors orient it: out x in; None when the anchor does not describe that parameter this way), and `states`, its
+    per-step states over what was bound (`Bound`), which `CFPState` composes in the registry's order. `dense` is the
     contract a geometry is checked against (`tests/unit/geometry/test_conformance.py`), for small weights only."""
 
     name: str
     claim: Callable[[Sequence[Scored]], list[Scored]]
     sink: Callable[[list[Scored], EstimatePlan], EstimateSink]
     dense: Callable[[NamedFisher, str], torch.Tensor | None]
+    states: Callable[[Bound], list[GeometryState]]

@@ -6,9 +6,10 @@ A structure lists its geometries: each after the first claims the scored paramet
 are fed, all-reduced and finished in this order. "kfac" is the diagonal geometry on every parameter but the
 Linear-like weights the Kronecker one factors.
 
-Nothing here imports torch (the command line's parser reads `STRUCTURES`); `geometry` imports a package when it is
-first asked for (as `hf_cfp.exports` does for the public names). A new geometry is one package under
-`hf_cfp/geometry/` exposing `GEOMETRY` (a `base.Geometry`) and one line in `GEOMETRIES`.
+`protection.state.CFPState` composes the per-step states of every geometry in `GEOMETRIES`, in its order
+(`base.Geometry.states`). Nothing here imports torch (the command line's parser reads `STRUCTURES`); `geometry`
+imports a package when it is first asked for (as `hf_cfp.exports` does for the public names). A new geometry is
+one package under `hf_cfp/geometry/` exposing `GEOMETRY` (a `base.Geometry`) and one line in `GEOMETRIES`.
 """
 
 import importlib

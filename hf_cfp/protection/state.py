@@ -11,12 +11,14 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
-from ..geometry.base import GeometryState, complete
+from ..geometry import GEOMETRIES
+from ..geometry import geometry as registered
+from ..geometry.base import Bound, GeometryState, complete
 from ..geometry.diagonal.binding import bind_anchor
 from ..geometry.diagonal.state import Chained, DiagonalTensors, pull_profile, sparse_correction
 from ..geometry.kronecker.binding import bind_kronecker
 from ..geometry.kronecker.state import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
-from ..geometry.kronecker.summed import SummedTensors, summed_tensors
+from ..geometry.kronecker.summed import SummedTensors
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, SUMMED_ITERATIONS, drift_keys
 from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
@@ -93,17 +95,16 @@ class CFPState:
             theta0.restore_lora([a.weight for a in adapted])  # the path's origin: the factors at train begin
         tracked = track(bound, memory, theta0, factored)
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
-        several = summed_tensors(tracked, names)
-        kronecker = KroneckerTensors(views, names, several)
-        refuse_unsolvable(adapted, names, memory.sparse is not None, kronecker)
         sparse, report = (
             sparse_correction(float(memory.sparse), memory.sparse_by, protecting, bound, tracked)
             if memory.sparse is not None
             else (None, None)
         )
-        thresholds = {name: v.threshold for name, v in views.items()}
-        diagonal = DiagonalTensors(tracked, names, thresholds, sparse, several)
-        summed = SummedTensors(several, views, names)
+        states = {name: registered(name).states(Bound(tracked, views, names, sparse)) for name in GEOMETRIES}
+        (diagonal,), (kronecker, summed) = states["diagonal"], states["kronecker"]  # what the checks below read
+        assert isinstance(diagonal, DiagonalTensors) and isinstance(kronecker, KroneckerTensors)
+        assert isinstance(summed, SummedTensors)
+        refuse_unsolvable(adapted, names, memory.sparse is not None, kronecker)
         adapters = _adapter_correction(adapted, names, lora_rule)
         # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
         protected = diagonal.protected
@@ -121,7 +122,8 @@ class CFPState:
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
         self.summed = summed
         self.path = Path(tracked, len(views))  # theta0 and the total drift: no geometry's
-        self.geometries: tuple[GeometryState, ...] = (self.path, diagonal, kronecker, summed)
+        # every registered geometry's states, in the registry's order, beside the path
+        self.geometries: tuple[GeometryState, ...] = (self.path, *(s for name in GEOMETRIES for s in states[name]))
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()

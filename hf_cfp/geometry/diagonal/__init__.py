@@ -8,8 +8,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..base import Geometry, NamedFisher, Scored
+from ..base import Bound, Geometry, GeometryState, NamedFisher, Scored
 from .sink import DiagonalSink
+from .state import DiagonalTensors
 
 
 def _claim(scored: Sequence[Scored]) -> list[Scored]:
@@ -22,6 +23,12 @@ def _dense(anchor: NamedFisher, name: str) -> torch.Tensor | None:
     return torch.diag(anchor.fisher[name].double().reshape(-1)) if name in anchor.fisher else None
 
 
-GEOMETRY = Geometry("diagonal", _claim, DiagonalSink, _dense)
+def _states(bound: Bound) -> list[GeometryState]:
+    """The protected tensors with a diagonal F, and the drift of every tensor some anchor covers that way."""
+    thresholds = {name: view.threshold for name, view in bound.views.items()}
+    return [DiagonalTensors(bound.tracked, bound.protecting, thresholds, bound.sparse)]
+
+
+GEOMETRY = Geometry("diagonal", _claim, DiagonalSink, _dense, _states)
 
 __all__ = ["GEOMETRY", "DiagonalSink"]

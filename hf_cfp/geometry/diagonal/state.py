@@ -73,8 +73,6 @@ class DiagonalTensors:
         protecting: the protecting anchors' names, in the order of the lams.
         thresholds: every anchor's free-drift threshold, by name, in the order of the metrics.
         sparse: the kept coordinates of the protected tensors (`sparse.SparseCorrection`), or None (dense).
-        summed: the weights under several protecting anchors, some K-FAC (`summed.SummedTensors` corrects them):
-            measured here, not corrected.
     """
 
     def __init__(
@@ -83,11 +81,11 @@ class DiagonalTensors:
         protecting: Sequence[str],
         thresholds: Mapping[str, float],
         sparse: SparseCorrection | None = None,
-        summed: Sequence[Tracked] = (),
     ):
         self.tensors, self.sparse = tensors, sparse
-        solved = {id(t) for t in summed}
-        protected = [t for t in tensors if t.covered_by(protecting) and id(t) not in solved]
+        # a weight a protecting anchor factors is the Kronecker geometry's to correct (under the summed penalty
+        # when another protecting anchor covers it with a diagonal F): measured here, not corrected
+        protected = [t for t in tensors if t.covered_by(protecting) and not any(a in t.kfac for a in protecting)]
         self.protected = PullPart.of(protected, protecting)
         diagonal = [t for t in tensors if t.fisher]  # what some anchor covers with a diagonal F
         self.replicated_drift = DriftPart.of([t for t in diagonal if not t.sharded], thresholds)

@@ -8,9 +8,11 @@ weight); its LoRA rules (`lora`)."""
 
 import torch
 
-from ..base import Geometry, NamedFisher
+from ..base import Bound, Geometry, GeometryState, NamedFisher
 from .artifact import dense_factors
 from .sink import KroneckerSink, kfac_weights
+from .state import KroneckerTensors
+from .summed import SummedTensors, summed_tensors
 
 
 def _dense(anchor: NamedFisher, name: str) -> torch.Tensor | None:
@@ -22,6 +24,16 @@ def _dense(anchor: NamedFisher, name: str) -> torch.Tensor | None:
     return torch.kron(g.double(), a.double())
 
 
-GEOMETRY = Geometry("kronecker", kfac_weights, KroneckerSink, _dense)
+def _states(bound: Bound) -> list[GeometryState]:
+    """The weights protecting K-FAC anchors factor: each anchor's closed form where it alone protects a weight
+    (`state.KroneckerTensors`), the summed penalty's solve where others protect it too (`summed.SummedTensors`)."""
+    several = summed_tensors(bound.tracked, bound.protecting)
+    return [
+        KroneckerTensors(bound.views, bound.protecting, several),
+        SummedTensors(several, bound.views, bound.protecting),
+    ]
+
+
+GEOMETRY = Geometry("kronecker", kfac_weights, KroneckerSink, _dense, _states)
 
 __all__ = ["GEOMETRY", "KroneckerSink", "kfac_weights"]
