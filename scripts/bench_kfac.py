@@ -22,15 +22,26 @@ smoke run; its medians are single measurements).
    step of those weights alone.
 3. Size: floats stored (eigenvectors, eigenvalues, tails, the diagonal F of the other parameters) per parameter
    covered; at rank R, of the factored weights alone: ((in + out) R + 2 R + 2) / (in out) summed over them.
+4. Two anchors (skipped with `--no-two-anchors`): on the embedded SmolLM2-135M-Instruct (float32, as the demo and
+   the evidence train it), rank-R anchors of math and of safety (`--anchor-sequences` sequences of
+   `--new-tokens` tokens each, on the bundled calibration prompts), both at c = 10 (lam_k = 10 / p99_k), then
+   `--sft-steps` AdamW steps (lr 5e-5) of the pirate SFT set protected by math alone (the closed form; the
+   summed solve is too slow to train through on a CPU), then one more step's proposal: the correction of the
+   weights of layers `--layers` (every kind in them: a sample, as timing the whole model's summed solve takes
+   most of an hour) with math alone against math and safety summed (conjugate gradient,
+   `geometry.kronecker.summed_solve`), both from that same proposal (restored before each, untimed), interleaved over
+   rounds; with the summed solve's iterations per weight.
 
 Last line:
     RESULT kfac_estimate_vs_diagonal=<x> kfac_correction_vs_adamw=<y> kfac_floats_per_param=<z>
            kfac_rankR_correction_vs_adamw=<w> kfac_rankR_floats_per_param=<v> kfac_rankR_estimate_vs_diagonal=<u>
-           kfac_rankR_factored_correction_vs_adamw=<t>
+           kfac_rankR_factored_correction_vs_adamw=<t> kfac_two_anchor_correction_vs_one=<s>
+           kfac_two_anchor_iterations=<i>
 The first three at full rank (targets, issue 25: x <= 1.5, y <= 1.0, z <= 3). At rank R (issue 30, on a CPU):
 w <= 1.0 (the whole model's correction, K-FAC at rank R with tails plus the diagonal F of the rest, over the whole
 model's AdamW step: the definition of `kfac_correction_vs_adamw`), v <= 0.3, u <= 1.5; t: the factored weights'
-correction over their own AdamW step (no target; the share the K-FAC part costs). Before issue 30,
+correction over their own AdamW step (no target; the share the K-FAC part costs). Two anchors (issue 48): s <= 3
+(the target); i, the mean conjugate-gradient iterations per weight at that step. Before issue 30,
 `kfac_rank64_correction_vs_adamw` measured the plain truncation (no tail): that is now the table's "no tail" row.
 
 On a shared, loaded machine pass `--threads 1`: multi-threaded LAPACK and BLAS collapse when other processes hold
@@ -53,6 +64,9 @@ from bench_peft import smollm2_135m_shaped  # scripts/ is on sys.path when run
 from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.geometry.kronecker.artifact import stored_parts
 from hf_cfp.geometry.kronecker.basis import KroneckerBasis
+from hf_cfp.loading import load_embedded_model
+from hf_cfp.loading.examples import sft_examples
+from hf_cfp.loading.prompts import calibration_prompts, pirate_style_pairs
 from hf_cfp.protection import CFPState
 
 
@@ -129,6 +143,70 @@ def corrections(model, full: FisherAnchor, ranked: FisherAnchor, args) -> tuple[
     return seconds, sum(p.numel() for p in params), sum(p.numel() for p in factored)
 
 
+def two_anchors(args) -> tuple[dict[str, float], float]:
+    """(median seconds of the one- and two-anchor corrections of one realistic proposal, on the sampled layers'
+    weights, and the summed solve's mean iterations per weight)."""
+    model, tokenizer = load_embedded_model()
+    common = dict(num_sequences=args.anchor_sequences, max_new_tokens=args.new_tokens, seed=0, show_progress=False)
+    anchors = [
+        estimate_fisher(
+            model, tokenizer, calibration_prompts(name), structure="kfac", kfac_rank=args.rank, name=name, **common
+        )
+        for name in ("math", "safety")
+    ]
+    lams = [10.0 / a.metadata["statistics"]["p99"] for a in anchors]
+    rows = sft_examples(tokenizer, pirate_style_pairs()[:8])
+    batch = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    path = CFPState(model, anchors[0])
+    sampled = [
+        FisherAnchor({}, name=a.name, kfac={n: a.kfac[n] for n in a.kfac_names if _layer(n) in args.layers})
+        for a in anchors
+    ]
+    both, alone = CFPState(model, sampled), CFPState(model, sampled[0])
+    for step in range(args.sft_steps + 1):
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step < args.sft_steps:  # the last step is the proposal timed below
+            path.correct(lams[:1])
+    proposal = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def corrected(state, lam):
+        def job():
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(proposal[n])
+            return timed(lambda: state.correct(lam))[0]
+
+        return job
+
+    jobs = {"one": corrected(alone, lams[:1]), "two": corrected(both, lams)}
+    seconds: dict[str, list[float]] = {name: [] for name in jobs}
+    for _ in range(args.rounds + 1):  # the first round a warm-up; each job times its correction (not the restore)
+        for name, job in jobs.items():
+            seconds[name].append(job())
+    return {name: statistics.median(s[1:]) for name, s in seconds.items()}, both.summed.mean_iterations
+
+
+def two_anchor_table(args) -> str:
+    """Stage 4's table, printed; its RESULT fields."""
+    seconds, iterations = two_anchors(args)
+    ratio = seconds["two"] / seconds["one"]
+    layers = ", ".join(map(str, args.layers))
+    print(f"\n| correction of one proposal, layers {layers} (135M, rank {args.rank}, c = 10) | seconds | / one |")
+    print("|---|---|---|")
+    print(f"| math alone (closed form) | {seconds['one']:.3f} | 1.00 |")
+    print(f"| math + safety (summed, {iterations:.1f} iterations per weight) | {seconds['two']:.3f} | {ratio:.2f} |")
+    return f" kfac_two_anchor_correction_vs_one={ratio:.2f} kfac_two_anchor_iterations={iterations:.1f}"
+
+
+def _layer(name: str) -> int | None:
+    """The decoder layer index in a weight name (`model.layers.<i>....`), None outside the layers."""
+    parts = name.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" else None
+
+
 def floats_per_param(anchor: FisherAnchor, factored_only: bool = False) -> float:
     """Floats the anchor stores per parameter it covers (of its K-FAC weights alone with `factored_only`)."""
     stored = sum(t.numel() for b in anchor.kfac.values() for t in stored_parts(b).values())
@@ -150,11 +228,26 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quick", action="store_true", help="4 sequences, 1 round: a smoke run")
+    stages = parser.add_mutually_exclusive_group()
+    stages.add_argument("--no-two-anchors", action="store_true", help="skip stage 4 (it loads the embedded model)")
+    stages.add_argument("--only-two-anchors", action="store_true", help="stage 4 alone")
+    parser.add_argument("--anchor-sequences", type=int, default=16, help="stage 4: sequences per anchor")
+    parser.add_argument("--sft-steps", type=int, default=4, help="stage 4: protected SFT steps before the proposal")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        default=[0, 15, 29],
+        help="stage 4: the decoder layers whose weights are timed",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.sequences, args.rounds = 4, 1
     torch.set_num_threads(args.threads)
     r = args.rank
+    if args.only_two_anchors:
+        print(f"RESULT{two_anchor_table(args)}")
+        return
     model = smollm2_135m_shaped().to(torch.device(args.device)).eval()
 
     estimate_s, full, ranked = estimates(model, args)
@@ -185,13 +278,14 @@ def main(argv=None) -> None:
         f"\nanchor: {len(full.kfac)} K-FAC weights; floats per covered parameter: full rank {size:.2f}, rank {r} "
         f"{size_r:.2f} (with the diagonal F of the rest), rank {r} of the factored weights alone {size_r_factored:.3f}"
     )
+    two = "" if args.no_two_anchors else two_anchor_table(args)
     print(
         f"RESULT kfac_estimate_vs_diagonal={estimate_s['kfac'] / estimate_s['diagonal']:.2f} "
         f"kfac_correction_vs_adamw={times['full'] / times['adamw']:.2f} kfac_floats_per_param={size:.2f} "
         f"kfac_rank{r}_correction_vs_adamw={times[f'rank{r}'] / times['adamw']:.2f} "
         f"kfac_rank{r}_floats_per_param={size_r_factored:.3f} "
         f"kfac_rank{r}_estimate_vs_diagonal={estimate_s['kfac_rank'] / estimate_s['diagonal']:.2f} "
-        f"kfac_rank{r}_factored_correction_vs_adamw={times[f'rank{r}_factored'] / times['adamw_factored']:.2f}"
+        f"kfac_rank{r}_factored_correction_vs_adamw={times[f'rank{r}_factored'] / times['adamw_factored']:.2f}" + two
     )
 
 

@@ -95,7 +95,7 @@ for engine in ("batched", "loop"):
 PY
 step bench_sampling 40 "$python" scripts/bench_sampling.py --device cuda --rounds 3
 step bench_fisher_cpu 60 env BENCH_THREADS=8 "$python" scripts/bench_fisher.py --models tiny small --batch 16 --max-new-tokens 32 --repeats 2
-step bench_kfac 180 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 2 --threads 8
+step bench_kfac 180 "$python" scripts/bench_kfac.py --device cuda --sequences 8 --new-tokens 32 --rounds 2 --threads 8 --no-two-anchors
 step plan_7b 20 "$python" scripts/plan_7b.py
 
 echo; echo "=== SUMMARY (logs in $logs)"

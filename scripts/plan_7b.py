@@ -48,7 +48,7 @@ under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` stat
 """
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -57,6 +57,10 @@ from hf_cfp.fisher.feeding import scored_parameters
 from hf_cfp.geometry.kronecker import kfac_weights
 from hf_cfp.geometry.kronecker.factors import MAX_FORMED_DIMENSION, WIDE_RANK
 from hf_cfp.geometry.kronecker.state import BATCH, balanced_owners
+
+# Conjugate-gradient iterations per weight of two summed rank-256 anchors at a realistic step, measured on the
+# embedded model by `scripts/bench_kfac.py` (kfac_two_anchor_iterations; docs/reports/performance.md).
+ITERATIONS = 0.0
 
 SHAPES = {
     "Qwen2.5-7B": Qwen2Config(
@@ -253,6 +257,25 @@ def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
     )
 
 
+def summed(cost: Cost, weights: list[Weight], rows_of, anchors: int, iterations: float, sharded: bool) -> Cost:
+    """`cost` of one anchor's closed form carried to the summed proximal map of `anchors` K-FAC anchors on every
+    factored weight (`geometry.kronecker.summed_solve`): (1 + K) products to start and (1 + K) per conjugate-gradient
+    iteration, each about one closed-form correction's FLOPs, HBM traffic and (row shards) all-reduced bytes, plus 2
+    scalars per iteration; K anchors' bases; the solve's temporaries, five float32 vectors of the largest weight (X
+    and the residual, preconditioned residual, direction and product). The diagonal F's few passes are scaled alike (an
+    upper bound)."""
+    products = (1 + anchors) * (1 + iterations)
+    largest = max(rows_of(w) * w.in_dim for w in weights)
+    return replace(
+        cost,
+        bases=anchors * cost.bases,
+        temporaries=cost.temporaries + 5 * 4 * largest,
+        flops=products * cost.flops,
+        traffic=products * cost.traffic,
+        communicated=products * cost.communicated if sharded else cost.communicated,
+    )
+
+
 def describe_layout(model, ranked, full, r: int) -> None:
     """Which weights are factored, which keep a diagonal F, which are sketched at estimation, and the floats stored
     per factored parameter at rank `r` and at full rank."""
@@ -303,9 +326,17 @@ def report(name: str, args: argparse.Namespace) -> None:
             f"| {seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
         )
     results = {}
+    two = f"K-FAC rank {r} + tails, two anchors summed ({args.iterations:g} iterations)"
     for plan, fn in (("fsdp2", fsdp2), ("ddp", ddp)):
-        for label, weights, key in ((f"K-FAC rank {r} + tails", ranked, ""), ("K-FAC kfac_rank=None", full, "full_")):
+        rows_of = (lambda w: w.out_dim / n) if plan == "fsdp2" else (lambda w: w.out_dim)
+        for label, weights, key in (
+            (f"K-FAC rank {r} + tails", ranked, ""),
+            ("K-FAC kfac_rank=None", full, "full_"),
+            (two, ranked, "two_anchor_"),
+        ):
             cost = fn(model, weights, n)
+            if key == "two_anchor_":
+                cost = summed(cost, weights, rows_of, 2, args.iterations, plan == "fsdp2")
             compute, comm = cost.seconds(args)
             share = (compute + comm) / step_s
             weights_bytes = 2 * model.params / (n if plan == "fsdp2" else 1)  # the rank's bf16 weights
@@ -343,6 +374,12 @@ def main(argv=None) -> None:
     parser.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per GPU, GB (H100 SXM)")
     parser.add_argument("--link-gbps", type=float, default=360.0, help="collective bus bandwidth, GB/s (NVLink)")
     parser.add_argument("--efficiency", type=float, default=0.7, help="share of peak the correction reaches")
+    parser.add_argument(
+        "--iterations",
+        type=float,
+        default=ITERATIONS,
+        help="conjugate-gradient iterations per weight of two summed anchors (default: measured by bench_kfac.py)",
+    )
     args = parser.parse_args(argv)
     print(
         f"Assumed per GPU: dense bf16 {args.bf16_tflops:g} TFLOP/s, HBM {args.hbm_tbps:g} TB/s, {args.hbm_gb:g} GB, "

@@ -69,8 +69,7 @@ class KroneckerBasis:
 
     @staticmethod
     def stacked(bases: Sequence["KroneckerBasis"]) -> "KroneckerBasis":
-        """The bases of n weights of one shape as one basis with a leading batch dimension (tails of 0 for those
-        without one, when some has one)."""
+        """n bases of one shape as one with a leading batch dimension (0 tails for those without, if some has)."""
         tails = [b.tails() for b in bases] if any(b.tailed for b in bases) else None
         return KroneckerBasis(
             torch.stack([b.a_vectors for b in bases]),
@@ -82,8 +81,7 @@ class KroneckerBasis:
         )
 
     def __getitem__(self, i: int) -> "KroneckerBasis":
-        """The i-th basis of a stacked one (views)."""
-        return self._map(lambda t: t[i], lambda t: t[i])
+        return self._map(lambda t: t[i], lambda t: t[i])  # the i-th basis of a stacked one (views)
 
     def _map(
         self, vectors: Callable[[torch.Tensor], torch.Tensor], values: Callable[[torch.Tensor], torch.Tensor]
@@ -136,9 +134,9 @@ class KroneckerBasis:
         return torch.cat([b.reshape(-1).repeat_interleave(c) for b, c in zip(blocks, counts, strict=True)])
 
     def rotate(self, delta: torch.Tensor) -> torch.Tensor:
-        """U_G^T Delta U_A (a partial sum over the rows held here), multiplied in the eigenvectors' dtype, float32."""
+        """U_G^T Delta U_A (partial over the rows held here) in the eigenvectors' dtype, float32 (or float64)."""
         d = delta.to(self.a_vectors.dtype)
-        return (self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors)).float()
+        return _wide(self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors))
 
     def project(self, delta: torch.Tensor) -> "Projection":
         """Delta's coordinates in the blocks (module docstring), partial sums over the rows held here."""
@@ -146,11 +144,15 @@ class KroneckerBasis:
             return Projection(self.rotate(delta))
         d = delta.to(self.a_vectors.dtype)
         columns = d @ self.a_vectors  # M = D U_A, the rows held here
-        kept = (self.g_vectors.transpose(-2, -1) @ columns).float()
-        rows = (self.g_vectors.transpose(-2, -1) @ d).float()  # N = U_G^T D
-        total = torch.linalg.vector_norm(delta.float(), dim=(-2, -1)).double().square()  # faster than dtype=
-        norms = torch.cat([columns.float().square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
-        return Projection(kept, rows, columns.float(), norms)
+        kept = _wide(self.g_vectors.transpose(-2, -1) @ columns)
+        rows = _wide(self.g_vectors.transpose(-2, -1) @ d)  # N = U_G^T D
+        total = torch.linalg.vector_norm(_wide(delta), dim=(-2, -1)).double().square()  # faster than dtype=
+        norms = torch.cat([_wide(columns).square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
+        return Projection(kept, rows, _wide(columns), norms)
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float64 else t.float()  # the projections' dtype: float32, float64 kept
 
 
 @dataclass

@@ -21,9 +21,11 @@ from ...errors import CFPArgumentError
 from ...parallel import all_reduce_sum_, process_rank_and_count
 from ..base import Tracked, View
 from .artifact import stored_parts
+from .basis import KroneckerBasis, no_reduce
+from .pooled import pooled_term
 from .proximal import kfac_drift_squares
 from .state import balanced_owners
-from .summed_solve import MAX_ITERATIONS, SummedPenalty, solve_summed, tolerance
+from .summed_solve import MAX_ITERATIONS, TOLERANCE, SummedPenalty, solve_summed
 
 
 def summed_tensors(tracked: Sequence[Tracked], protecting: Sequence[str]) -> list[Tracked]:
@@ -36,9 +38,14 @@ def summed_tensors(tracked: Sequence[Tracked], protecting: Sequence[str]) -> lis
     ]
 
 
+def _wide(basis: KroneckerBasis) -> KroneckerBasis:
+    """`basis` with float64 eigenvectors (the solve's dtype)."""
+    return basis.placed(basis.a_vectors.device, torch.float64)
+
+
 def _reduce(sharded: bool):
     """An all-reduce for a row-sharded weight's partial sums; nothing for one held whole."""
-    return all_reduce_sum_ if sharded else (lambda tensors: None)
+    return all_reduce_sum_ if sharded else no_reduce
 
 
 class SummedTensors:
@@ -53,11 +60,8 @@ class SummedTensors:
     def __init__(self, tensors: list[Tracked], views: Mapping[str, View], protecting: Sequence[str]):
         self.tensors, self.protecting = tensors, list(protecting)
         self.order, self.thresholds = list(views), {name: view.threshold for name, view in views.items()}
-        self.dtypes = [torch.float64 if t.param.dtype == torch.float64 else torch.float32 for t in tensors]
-        self.bases = [
-            {name: basis.placed(basis.a_vectors.device, dtype) for name, basis in t.kfac.items()}
-            for t, dtype in zip(tensors, self.dtypes, strict=True)
-        ]
+        self.bases = [dict(t.kfac) for t in tensors]  # as bound (float32), cast to float64 for each solve
+        self.pooled: list[tuple[tuple, float, KroneckerBasis, float] | None] = [None] * len(tensors)
         rank, world = process_rank_and_count()
         self.split = world > 1 and any(not t.sharded for t in tensors)
         costs = [t.param.numel() * sum(b.a_values.shape[-1] for b in bases.values()) for t, bases in self._pairs()]
@@ -73,16 +77,26 @@ class SummedTensors:
         return bool(self.tensors)
 
     def penalty(self, i: int, lams: Sequence[float]) -> SummedPenalty:
-        """Weight i's summed penalty with the protecting anchors' lams (its out x in orientation)."""
+        """Weight i's summed penalty with the protecting anchors' lams (its out x in orientation), float64."""
         t, bases = self.tensors[i], self.bases[i]
-        factored = [
-            (bases[name], float(lam)) for name, lam in zip(self.protecting, lams, strict=True) if name in bases
-        ]
-        rows = [(t.fisher[name], lam) for name, lam in zip(self.protecting, lams, strict=True) if name in t.fisher]
-        diagonal = None
-        if rows:
-            diagonal = sum(t.oriented(f).to(self.dtypes[i]) * float(lam) for f, lam in rows)
-        return SummedPenalty(factored, diagonal)  # type: ignore[arg-type]
+        pairs = list(zip(self.protecting, lams, strict=True))
+        factored = [(_wide(bases[name]), float(lam)) for name, lam in pairs if name in bases]
+        rows = [t.oriented(t.fisher[name]).double() * float(lam) for name, lam in pairs if name in t.fisher]
+        return SummedPenalty(factored, sum(rows[1:], rows[0]) if rows else None)
+
+    def preconditioner(self, i: int, penalty: SummedPenalty) -> tuple[KroneckerBasis, float]:
+        """Weight i's pooled term (`pooled`), kept (float32 eigenvectors) while the ratios of the lams stay
+        within 1e-3: s follows their sum."""
+        lams = [lam for _, lam in penalty.factored]
+        if len(lams) == 1:
+            return penalty.factored[0]
+        total = sum(lams)
+        key = tuple(round(lam / total, 3) for lam in lams)
+        kept = self.pooled[i]
+        if kept is None or kept[0] != key:
+            basis, s = pooled_term(penalty.factored, _reduce(self.tensors[i].sharded))
+            kept = self.pooled[i] = (key, total, basis.placed(basis.a_vectors.device), s)
+        return _wide(kept[2]), kept[3] * total / kept[1]
 
     @torch.no_grad()
     def correct(self, lams: Sequence[float]) -> None:
@@ -100,11 +114,13 @@ class SummedTensors:
                 weight.zero_()
                 continue
             start = t.oriented(t.theta0)
-            solve = solve_summed((weight - start).to(self.dtypes[i]), self.penalty(i, lams), _reduce(t.sharded))
+            penalty = self.penalty(i, lams)
+            pooled = self.preconditioner(i, penalty)
+            solve = solve_summed((weight - start).double(), penalty, _reduce(t.sharded), preconditioner=pooled)
             weight.copy_(solve.x.add_(start))
             tally = local if t.sharded else counts
             tally += torch.tensor([solve.iterations, 1.0], dtype=torch.float64, device=tally.device)
-            if solve.residual > tolerance(self.dtypes[i]) and t.name not in self._warned:
+            if solve.residual > TOLERANCE and t.name not in self._warned:
                 self._warned.add(t.name)
                 warnings.warn(
                     f"CFP: the summed proximal map of {t.name!r} stopped at relative residual {solve.residual:.2e} "
@@ -161,8 +177,11 @@ class SummedTensors:
         return strongest
 
     def kept(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(the eigenbases CFP keeps for these weights, nothing offloaded)."""
-        return [p for bases in self.bases for b in bases.values() for p in stored_parts(b).values()], []
+        """(the eigenbases CFP keeps for these weights, with the pooled ones of the last correction; nothing
+        offloaded)."""
+        pooled = [kept[2] for kept in self.pooled if kept is not None]
+        bases = [b for per in self.bases for b in per.values()] + pooled
+        return [p for b in bases for p in stored_parts(b).values()], []
 
     @property
     def shard_device(self) -> torch.device | None:

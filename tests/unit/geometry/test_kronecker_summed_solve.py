@@ -10,7 +10,8 @@ import torch
 
 from hf_cfp.geometry.kronecker.artifact import dense_factors, truncate_basis
 from hf_cfp.geometry.kronecker.basis import KroneckerBasis
-from hf_cfp.geometry.kronecker.summed_solve import SummedPenalty, closed_form, solve_summed, tolerance
+from hf_cfp.geometry.kronecker.pooled import pooled_term
+from hf_cfp.geometry.kronecker.summed_solve import TOLERANCE, SummedPenalty, closed_form, solve_summed
 
 OUT, IN = 6, 9
 
@@ -20,8 +21,8 @@ def random_basis(seed, rank=None):
 
     def factor(n):
         x = torch.randn(n, n + 2, generator=g, dtype=torch.float64)
-        values, vectors = torch.linalg.eigh(x @ x.T / n)
-        return vectors.float(), values.clamp(min=0).float()
+        values, vectors = torch.linalg.eigh(x @ x.T / n)  # ascending: the top ones first, as anchors keep them
+        return vectors.flip(-1).float(), values.flip(-1).clamp(min=0).float()
 
     (a_vectors, a_values), (g_vectors, g_values) = factor(IN), factor(OUT)
     basis = KroneckerBasis(a_vectors, a_values, g_vectors, g_values)
@@ -41,20 +42,17 @@ def dense_system(terms, diagonal=None):
 @pytest.mark.parametrize("rank", [None, 3])
 @pytest.mark.parametrize("anchors", [2, 3])
 @pytest.mark.parametrize("with_diagonal", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_solve_is_the_dense_proximal_map(rank, anchors, with_diagonal, dtype):
+def test_the_solve_is_the_dense_proximal_map(rank, anchors, with_diagonal):
     terms = [(random_basis(seed, rank), lam) for seed, lam in zip(range(anchors), (3.0, 20.0, 0.5), strict=False)]
     g = torch.Generator().manual_seed(7)
     diagonal = 4.0 * torch.rand(OUT, IN, generator=g, dtype=torch.float64) if with_diagonal else None
     d = torch.randn(OUT, IN, generator=g, dtype=torch.float64)
     want = torch.linalg.solve(dense_system(terms, diagonal), d.reshape(-1)).reshape(OUT, IN)
-    penalty = SummedPenalty(
-        [(basis.placed("cpu", dtype), lam) for basis, lam in terms], None if diagonal is None else diagonal.to(dtype)
-    )
-    solve = solve_summed(d.to(dtype), penalty)
-    assert solve.residual <= tolerance(dtype) and solve.iterations >= 1
-    error = float((solve.x.double() - want).norm() / want.norm())
-    assert error <= 10 * tolerance(dtype), error
+    penalty = SummedPenalty([(basis.placed("cpu", torch.float64), lam) for basis, lam in terms], diagonal)
+    solve = solve_summed(d, penalty)
+    assert solve.residual <= TOLERANCE and solve.iterations >= 1
+    # the system is >= I, so |X - X*| <= |residual| <= TOLERANCE |D|
+    assert float((solve.x - want).norm()) <= TOLERANCE * float(d.norm())
 
 
 def test_one_term_is_its_closed_form_in_no_iteration():
@@ -113,5 +111,39 @@ def test_row_shards_completed_by_a_reduce_give_the_whole_solution():
     for thread in threads:
         thread.join()
     assert results[0].iterations == results[1].iterations
-    got = torch.cat([results[0].x, results[1].x])  # the projections sum in float32: equal to its rounding
-    assert float((got - whole).norm() / whole.norm()) <= tolerance(torch.float64)
+    got = torch.cat([results[0].x, results[1].x])  # the same iterations: equal to the sums' rounding
+    assert float((got - whole).norm() / whole.norm()) <= TOLERANCE
+
+
+def rearranged(terms):
+    """sum_k lam_k vec(G_k) vec(A_k)^T (OUT^2 x IN^2, float64): Van Loan and Pitsianis's rearrangement."""
+    total = torch.zeros(OUT * OUT, IN * IN, dtype=torch.float64)
+    for basis, lam in terms:
+        a, g = dense_factors(basis)
+        total += lam * torch.outer(g.double().reshape(-1), a.double().reshape(-1))
+    return total
+
+
+@pytest.mark.parametrize("rank", [None, 3])
+def test_the_pooled_term_is_the_nearest_kronecker_product(rank):
+    """s G_p (x) A_p against the top singular pair of the rearranged sum (a dense SVD)."""
+    terms = [(random_basis(11, rank), 2.0), (random_basis(12, rank), 9.0)]
+    u, sigma, vh = torch.linalg.svd(rearranged(terms))
+    want = sigma[0] * torch.kron(u[:, 0].reshape(OUT, OUT), vh[0].reshape(IN, IN))
+    basis, s = pooled_term([(b.placed("cpu", torch.float64), lam) for b, lam in terms], lambda tensors: None)
+    a, g = dense_factors(basis)
+    got = s * torch.kron(g.double(), a.double())
+    assert torch.allclose(got, want, atol=1e-5 * float(want.abs().max()))
+
+
+def test_terms_sharing_their_input_factor_are_solved_by_the_pooled_closed_form():
+    """lam_1 G_1 (x) A + lam_2 G_2 (x) A = (lam_1 G_1 + lam_2 G_2) (x) A: the preconditioner is exact, no iteration."""
+    shared, other = random_basis(13, rank=3), random_basis(14, rank=3)
+    second = KroneckerBasis(
+        shared.a_vectors, shared.a_values, other.g_vectors, other.g_values, shared.a_tail, other.g_tail
+    )
+    terms = [(shared, 4.0), (second, 30.0)]
+    d = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(15), dtype=torch.float64)
+    solve = solve_summed(d, SummedPenalty([(b.placed("cpu", torch.float64), lam) for b, lam in terms]))
+    want = torch.linalg.solve(dense_system(terms), d.reshape(-1)).reshape(OUT, IN)
+    assert solve.iterations == 0 and torch.allclose(solve.x, want, atol=1e-6)
