@@ -37,7 +37,7 @@ SIZES = {"tiny": (32, 128, 2), "small": (128, 512, 4)}  # hidden size, vocabular
 
 
 def build(model_name: str):
-    from hf_cfp.fisher.prompts import to_token_ids
+    from hf_cfp.fisher.token_ids import to_token_ids
     from hf_cfp.loading.models import EMBEDDED, load_causal_lm, tiny_llama
     from hf_cfp.loading.prompts import calibration_prompts
 

@@ -28,9 +28,9 @@ smoke run; its medians are single measurements).
    `--sft-steps` AdamW steps (lr 5e-5) of the pirate SFT set protected by math alone (the closed form; the
    summed solve is too slow to train through on a CPU), then one more step's proposal: the correction of the
    weights of layers `--layers` (every kind in them: a sample, as timing the whole model's summed solve takes
-   most of an hour) with math alone against math and safety summed (conjugate gradient, `ops.kfac_summed`), both
-   from that same proposal (restored before each, untimed), interleaved over rounds; with the summed solve's
-   iterations per weight.
+   most of an hour) with math alone against math and safety summed (conjugate gradient,
+   `geometry.kronecker.summed_solve`), both from that same proposal (restored before each, untimed), interleaved over
+   rounds; with the summed solve's iterations per weight.
 
 Last line:
     RESULT kfac_estimate_vs_diagonal=<x> kfac_correction_vs_adamw=<y> kfac_floats_per_param=<z>
@@ -48,8 +48,8 @@ On a shared, loaded machine pass `--threads 1`: multi-threaded LAPACK and BLAS c
 the cores (a float64 `eigh` of 1536 x 1536 took 52 s with 2 threads against 2.2 s with 1 on a 2-core machine at
 load 4). On a CPU the correction's temporaries are fresh float32 tensors of a batch of weights each; glibc returns
 large ones to the system, and their first touch (page faults) can cost as much as the arithmetic: measured here as
-is, with the default allocator. The correction adds its product into each weight in place (`ops.kfac`), so its
-only weight-sized temporary is one batch's displacement.
+is, with the default allocator. The correction adds its product into each weight in place
+(`geometry.kronecker.basis`), so its only weight-sized temporary is one batch's displacement.
 """
 
 import argparse
@@ -62,11 +62,11 @@ import torch
 from bench_peft import smollm2_135m_shaped  # scripts/ is on sys.path when run
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.anchor.kfac import stored_parts
+from hf_cfp.geometry.kronecker.artifact import stored_parts
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis
 from hf_cfp.loading import load_embedded_model
 from hf_cfp.loading.examples import sft_examples
 from hf_cfp.loading.prompts import calibration_prompts, pirate_style_pairs
-from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.protection import CFPState
 
 

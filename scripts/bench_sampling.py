@@ -83,7 +83,7 @@ def main():
     torch.set_num_threads(args.threads)
 
     from hf_cfp.fisher import sampling as new_sampling
-    from hf_cfp.fisher.prompts import to_token_ids
+    from hf_cfp.fisher.token_ids import to_token_ids
     from hf_cfp.loading.models import load_causal_lm
     from hf_cfp.loading.prompts import calibration_prompts
 

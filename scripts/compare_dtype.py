@@ -40,12 +40,12 @@ import torch
 
 from hf_cfp import estimate_fisher
 from hf_cfp.anchor.compare import compare_anchors
-from hf_cfp.fisher.prompts import to_token_ids
+from hf_cfp.fisher.token_ids import to_token_ids
+from hf_cfp.geometry import STRUCTURES
 from hf_cfp.loading.models import EMBEDDED, load_causal_lm
 from hf_cfp.loading.prompts import load_prompts
 
 ROWS = ("bf16, same sequences", "bf16, own samples", "fp32, seed 1 (noise)")
-STRUCTURES = ("diagonal", "kfac")
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # the bf16 kernels torch may pick on an x86 CPU
 
 

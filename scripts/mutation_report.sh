@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Mutation testing of the modules where a wrong number is silent: the correction (ops/correction.py),
 # the drift metrics (ops/drift.py), the protection state (protection/state.py, its records
-# protection/records.py and the diagonal tensors' per-step lists protection/diagonal.py), the theta0
-# checkpoint (protection/checkpoint.py) and the Fisher engines' accumulation
+# protection/records.py, the diagonal tensors' per-step lists geometry/diagonal/state.py and the path
+# protection/path.py), the theta0 checkpoint (protection/checkpoint.py) and the Fisher engines' accumulation
 # (fisher/per_sequence_grads.py, fisher/scoring.py), with mutmut. What is mutated and which tests
 # run: [tool.mutmut] in pyproject.toml. The surviving mutants and why none changes a result:
 # scripts/mutation_survivors.md.

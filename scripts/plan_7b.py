@@ -5,13 +5,13 @@ shapes (built on the meta device).
     python scripts/plan_7b.py                       # Qwen2.5-7B, Llama-3-8B and Llama-3-70B, the defaults below
     python scripts/plan_7b.py --ranks 8 --kfac-rank 128 --tokens-per-gpu 16384
 
-Which weights are factored is the library's rule (`fisher.kfac_sums.kfac_weights`): every 2-D Linear weight,
+Which weights are factored is the library's rule (`geometry.kronecker.sink.kfac_weights`): every 2-D Linear weight,
 whatever its width, an untied vocabulary-sized lm_head included; a tied lm_head (an embedding lookup too), the
 embeddings and the 1-D parameters keep a diagonal F. A factor wider than `MAX_FORMED_DIMENSION` is sketched at
 estimation, never formed. Rows: `--kfac-rank` R (default 256: the rank the sweep of `scripts/reproduce_table.py`
 recommends where full rank does not fit, `docs/guides/kfac.md`) with tails (the mean of the eigenvalues left out,
-`ops.kfac`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail), sketched ones at
-`WIDE_RANK` eigenpairs with a tail.
+`geometry.kronecker.basis`); and, for comparison, what `kfac_rank=None` keeps: formed factors at full rank (no tail),
+sketched ones at `WIDE_RANK` eigenpairs with a tail.
 
 Assumptions (flags): parameters and theta0 bf16; the bound eigenvectors in the weights' dtype (bf16), eigenvalues
 and tails float32; the diagonal F of the rest float32; the accelerator's HBM bandwidth and dense bf16 peak are
@@ -22,25 +22,25 @@ communication at the bus bandwidth (no overlap: an upper bound). Nothing here is
 from `scripts/bench_memory.py` and `scripts/bench_kfac.py` on the hardware.
 
 Per weight W (rows x in held by the process that corrects it; rows = out / n row-sharded under FSDP2, out whole
-under DDP), bases cut to r_A and r_G eigenpairs (`ops.kfac` states the math):
+under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` states the math):
 - FLOPs, with a tail: M = D U_A (2 rows in r_A), P = U_G^T M (2 r_G rows r_A), N = U_G^T D (2 r_G rows in), the
   core (r_G x r_A) times U_A^T (2 r_G r_A in), the fused product [U_G, M'] [N'; U_A^T] (2 rows in (r_G + r_A));
   without a tail (both factors full): D U_A, U_G^T (.), and back (2 (2 rows in r_A + 2 rows r_A r_G)).
 - Memory traffic: `TAILED_BYTES` (without a tail `UNTAILED_BYTES`) per parameter corrected, counted from the
-  passes of `protection.kronecker` and `ops.kfac` over bf16 weights: the projection forms D in bf16 (theta and
-  theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the correction
-  of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product through a
-  float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read by the
-  product (2), then the product's 32: about 40. The diagonal F of the rest: 10 bytes per parameter (theta 2 +
+  passes of `geometry.kronecker.state` and `geometry.kronecker.basis` over bf16 weights: the projection forms D in
+  bf16 (theta and theta0 read, D written: 6), its two products read D (4), |D|^2 reads a float32 copy of it (10); the
+  correction of each weight in place makes the weight and theta0 float32 (12), lerps (12), adds the bf16 product
+  through a float32 copy (2 + 6 + 12) and writes the weight back (6): about 70 bytes. Without a tail: D (6), one read
+  by the product (2), then the product's 32: about 40. The diagonal F of the rest: 10 bytes per parameter (theta 2 +
   theta0 2 + F 4 read, theta 2 written).
-- Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`protection.kronecker.BATCH` weights of one
+- Temporaries: `TEMPORARY_BYTES` per parameter of the largest batch (`geometry.kronecker.state.BATCH` weights of one
   shape): D in bf16 and the float32 copy the norm reads; the float32 temporaries of the one weight being corrected
   add under 2 bytes per parameter of a batch of 8.
 - FSDP2 (row shards): every rank corrects its rows of every weight; P (r_G x r_A), with a tail N (r_G x in) too,
   float32, and the norms (r_A + 1, float64) are all-reduced per weight and step. Memory: theta0 of the rank's
   rows, U_A whole (every rank), the rank's rows of U_G.
 - DDP (replicated weights): batches of like weights, each corrected by one owning process (largest first to the
-  least loaded, by FLOPs, as `protection.kronecker` assigns them); the busiest process sets the time. The corrected
+  least loaded, by FLOPs, as `geometry.kronecker.state` assigns them); the busiest process sets the time. The corrected
   values reach the others in one all-reduce per step of the factored weights' bf16 values (zeros from the
   non-owners: 2 bytes per factored parameter; an all-gather would move half as many bytes per rank); every
   process stacks and writes back the weights it does not own (10 bytes per parameter). Memory: theta0, the bases
@@ -53,9 +53,10 @@ from dataclasses import dataclass, field, replace
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from hf_cfp.fisher.kfac_factors import MAX_FORMED_DIMENSION, WIDE_RANK
-from hf_cfp.fisher.kfac_sums import kfac_weights
-from hf_cfp.protection.kronecker import BATCH
+from hf_cfp.fisher.feeding import scored_parameters
+from hf_cfp.geometry.kronecker import kfac_weights
+from hf_cfp.geometry.kronecker.factors import MAX_FORMED_DIMENSION, WIDE_RANK
+from hf_cfp.geometry.kronecker.state import BATCH, balanced_owners
 
 # Conjugate-gradient iterations per weight of two summed rank-256 anchors at a realistic step, measured on the
 # embedded model by `scripts/bench_kfac.py` (kfac_two_anchor_iterations; docs/reports/performance.md).
@@ -174,7 +175,7 @@ def load(name: str) -> Model:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(SHAPES[name])
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    factored = kfac_weights(model, named)
+    factored = {s.name for s in kfac_weights(scored_parameters(model, named))}
     shapes = [(n, *p.shape) for n, p in named if n in factored]
     diagonal = {n: p.numel() for n, p in named if n not in factored}
     linear_diagonal = [
@@ -189,20 +190,12 @@ def load(name: str) -> Model:
 
 
 def batches(weights: list[Weight]) -> list[list[Weight]]:
-    """Like weights (shape and ranks) in batches of up to BATCH, in the model's order (as `protection.kronecker`)."""
+    """Like weights (shape and ranks) in batches of up to BATCH, in the model's order (as
+    `geometry.kronecker.state`)."""
     kinds: dict[tuple, list[Weight]] = {}
     for w in weights:
         kinds.setdefault((w.out_dim, w.in_dim, w.r_a, w.r_g), []).append(w)
     return [same[i : i + BATCH] for same in kinds.values() for i in range(0, len(same), BATCH)]
-
-
-def owners(costs: list[float], processes: int) -> list[int]:
-    """Largest first, each to the least loaded process so far (the rule of `protection.kronecker`)."""
-    loads, owner = [0.0] * processes, [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        owner[i] = min(range(processes), key=lambda p: (loads[p], p))
-        loads[owner[i]] += costs[i]
-    return owner
 
 
 @dataclass
@@ -245,7 +238,7 @@ def fsdp2(model: Model, weights: list[Weight], n: int) -> Cost:
 def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
     groups = batches(weights)
     costs = [sum(w.flops(w.out_dim) for w in b) for b in groups]
-    owner = owners(costs, n)
+    owner = balanced_owners(costs, n)
     busiest = max(range(n), key=lambda p: sum(c for c, o in zip(costs, owner, strict=True) if o == p))
     owned = [b for b, o in zip(groups, owner, strict=True) if o == busiest]
     factored = sum(w.params for w in weights)
@@ -266,10 +259,10 @@ def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
 
 def summed(cost: Cost, weights: list[Weight], rows_of, anchors: int, iterations: float, sharded: bool) -> Cost:
     """`cost` of one anchor's closed form carried to the summed proximal map of `anchors` K-FAC anchors on every
-    factored weight (`ops.kfac_summed`): (1 + K) products to start and (1 + K) per conjugate-gradient iteration,
-    each about one closed-form correction's FLOPs, HBM traffic and (row shards) all-reduced bytes, plus 2 scalars
-    per iteration; K anchors' bases; the solve's temporaries, five float32 vectors of the largest weight (X and the
-    residual, preconditioned residual, direction and product). The diagonal F's few passes are scaled alike (an
+    factored weight (`geometry.kronecker.summed_solve`): (1 + K) products to start and (1 + K) per conjugate-gradient
+    iteration, each about one closed-form correction's FLOPs, HBM traffic and (row shards) all-reduced bytes, plus 2
+    scalars per iteration; K anchors' bases; the solve's temporaries, five float32 vectors of the largest weight (X
+    and the residual, preconditioned residual, direction and product). The diagonal F's few passes are scaled alike (an
     upper bound)."""
     products = (1 + anchors) * (1 + iterations)
     largest = max(rows_of(w) * w.in_dim for w in weights)

@@ -11,18 +11,17 @@ from pathlib import Path
 import torch
 
 from ..errors import AnchorNotFoundError, AnchorValidationError
+from ..geometry.diagonal.artifact import LazyFisher, check_fisher_values, fisher_shape
+from ..geometry.kronecker.artifact import basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
+from ..geometry.kronecker.basis import KroneckerBasis
+from ..geometry.kronecker.views import AnchorWeights, kfac_summary
 from ..names import canonical_name
-from ..ops.kfac import KroneckerBasis
 from .card import render_card
 from .combine import combine_parts
 from .config import CONFIG_NAME, FORMAT_VERSION, directory_config, validate_anchor_name
 from .hub import download_anchor, looks_like_local_path, parse_reference, push_folder, safe_subfolder
-from .kfac import basis_tensors, dense_factors, kronecker_bases, split_stored, weight_shape
-from .kfac_views import AnchorWeights, kfac_summary
-from .lazy import LazyFisher, fisher_shape
 from .statistics import concentration, fisher_statistics, module_type_shares
 from .storage import read_tensors, stored_tensors, temporary_path, write_tensors
-from .values import check_fisher_values
 
 
 class FisherAnchor:

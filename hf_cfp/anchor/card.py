@@ -5,8 +5,8 @@ from importlib import resources
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from .kfac_views import AnchorWeights
-from .protocol import NamedFisher
+from ..geometry.base import NamedFisher
+from ..geometry.kronecker.views import AnchorWeights
 from .statistics import concentration
 
 TAGS = ["cfp", "fisher-anchor", "hf-cfp"]

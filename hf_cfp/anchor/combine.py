@@ -6,9 +6,9 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import AnchorMismatchError, CFPArgumentError, plural
+from ..geometry.base import NamedFisher
+from ..geometry.kronecker.artifact import dense_factors
 from .compare import layout_difference
-from .kfac import dense_factors
-from .protocol import NamedFisher
 
 BASE_MODEL_KEYS = ("base_model", "base_model_revision", "base_fingerprint")  # what ties an anchor to its base
 

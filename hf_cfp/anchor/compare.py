@@ -10,9 +10,9 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from ..errors import AnchorMismatchError
-from ..ops.order_statistics import float64_sum, order_statistics, rank_of_fraction, top_rank
-from .kfac_views import ImpliedDiagonal, factor_cosines
-from .protocol import NamedFisher
+from ..geometry.base import NamedFisher
+from ..geometry.kronecker.views import ImpliedDiagonal, factor_cosines
+from ..ops.order_statistics import top_overlap
 from .statistics import TOP_FRACTIONS, module_type_masses
 
 
@@ -30,31 +30,6 @@ def layout_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tenso
     return None
 
 
-def top_mask(tensors: Sequence[torch.Tensor], fraction: float) -> torch.Tensor:
-    """T(F): a flat boolean mask of the k = ceil(fraction * n) largest coordinates of the tensors taken in
-    order and flattened; ties at the k-th largest value are broken by the lower flat index. The k-th largest
-    is selected by streaming (`ops.order_statistics`); the tensors are never concatenated, only the mask is
-    built (n bytes)."""
-    kth = order_statistics(tensors, lambda n: [top_rank(fraction, n)]).values[0]
-    flats = [t.detach().reshape(-1) for t in tensors]
-    mask = torch.empty(sum(f.numel() for f in flats), dtype=torch.bool, device=flats[0].device)
-    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
-        torch.gt(flat, kth, out=part)
-    need = rank_of_fraction(fraction, mask.numel()) - int(mask.sum())  # ties at kth to take, lowest index first
-    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
-        tied = (flat == kth).nonzero().squeeze(1)[:need]
-        part[tied] = True
-        need -= tied.numel()
-    return mask
-
-
-def top_overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], fraction: float) -> float:
-    """|T(a) ∩ T(b)| / |T|, T the top ceil(fraction * n) coordinate set of `top_mask`."""
-    mask_a = top_mask(a, fraction)
-    mask_b = top_mask(b, fraction).to(mask_a.device)
-    return int((mask_a & mask_b).sum()) / int(mask_a.sum())
-
-
 def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     """<a, b> / sqrt(<a, a> <b, b>) over the flattened tensors, in float64 (nan if either is all zero).
     Written with one square root, so an F against itself gives exactly 1."""
@@ -63,20 +38,6 @@ def cosine(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
         x, y = x.detach().double(), y.detach().double().to(x.device)
         dot, aa, bb = dot + float((x * y).sum()), aa + float((x * x).sum()), bb + float((y * y).sum())
     return dot / math.sqrt(aa * bb) if aa > 0 and bb > 0 else math.nan
-
-
-def split_half(first_sums: Sequence[torch.Tensor], second_sums: Sequence[torch.Tensor], n_first: int, n_second: int):
-    """Split-half reliability from the squared-score sums of two halves of the sequences, F_a = S_a / N_a and
-    F_b = S_b / N_b: {"top1pct_overlap": |T1(F_a) ∩ T1(F_b)| / |T1| (T1 the top 1%; a set does not change
-    with the scale, so it is taken on the sums), "mass_relative_difference": |M_a - M_b| / ((M_a + M_b) / 2)
-    with M = sum_i F_i (0 when both are 0), "num_sequences": [N_a, N_b]}."""
-    mass_a = float64_sum(first_sums) / n_first
-    mass_b = float64_sum(second_sums) / n_second
-    return {
-        "top1pct_overlap": top_overlap(first_sums, second_sums, 0.01),
-        "mass_relative_difference": abs(mass_a - mass_b) / ((mass_a + mass_b) / 2) if mass_a + mass_b > 0 else 0.0,
-        "num_sequences": [n_first, n_second],
-    }
 
 
 def compare_anchors(a: NamedFisher, b: NamedFisher) -> dict:

@@ -233,6 +233,10 @@ class StoredTensor:
     dtype: torch.dtype
     what: str  # "'<file>'" or "shard '<name>' listed in '<index>'"
 
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        """`read_stored(key, self, index)`: what a geometry's lazy reads call (`geometry.base.Stored`)."""
+        return read_stored(key, self, index)
+
 
 def _corrupt(what: str, error: Exception) -> AnchorFormatError:
     return AnchorFormatError(

@@ -8,11 +8,11 @@ the command runs, so `hf-cfp --help` stays fast. Argument errors print two lines
 
 import argparse
 
+from ..geometry import STRUCTURES  # the registry (no torch)
 from ..loading.prompts import CALIBRATION_SETS
 from .failures import EXIT_USAGE
 
 ANCHOR_REFERENCE = "anchor directory, or Hub reference org/model[@revision][:subfolder]"
-STRUCTURES = ("diagonal", "kfac")  # fisher.estimate_checks.STRUCTURES (not imported: it imports torch)
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # loading.models.DTYPES (not imported: it imports torch)
 MODEL = "local model directory, .gguf file, smollm2-135m (the embedded model), or Hub id org/name[@revision]"
 
@@ -101,7 +101,7 @@ def _add_demo(commands, debug) -> None:
     demo.add_argument("--max-new-tokens", type=positive_int, default=48)
     demo.add_argument(
         "--structure",
-        choices=STRUCTURES,
+        choices=tuple(STRUCTURES),
         default="diagonal",
         help="the math anchor's structure: diagonal F, or kfac (Kronecker factors A (x) G of each Linear weight)",
     )
@@ -142,7 +142,7 @@ def _add_estimate(commands, debug) -> None:
     estimate.add_argument("--engine", choices=("batched", "loop"), default="batched")
     estimate.add_argument(
         "--structure",
-        choices=STRUCTURES,
+        choices=tuple(STRUCTURES),
         default="diagonal",
         help="kfac: Kronecker factors A (x) G for each Linear weight (the interactions inside a layer), diagonal F "
         "elsewhere",

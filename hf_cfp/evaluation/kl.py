@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from ..errors import CFPArgumentError
-from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
 from ..fisher.scoring import batched_sequence_log_probs
+from ..fisher.token_ids import to_token_ids
 from ..names import KL_TO_BASE, KL_TO_BASE_STDERR
 
 

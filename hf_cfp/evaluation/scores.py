@@ -13,8 +13,8 @@ import re
 import torch
 
 from ..errors import CFPArgumentError, plural
-from ..fisher.prompts import to_token_ids
 from ..fisher.sampling import Sampler, resolve_eos_ids, resolve_pad_id
+from ..fisher.token_ids import to_token_ids
 from .kl import score_responses
 
 # Openings of a refusal, matched case-insensitively (curly apostrophes read as straight ones) in the

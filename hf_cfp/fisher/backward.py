@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .kfac_factors import KroneckerSums
+from ..geometry.base import LayerSums
 from .per_sequence_grads import Use, accumulate
 
 __all__ = ["Consumer"]
@@ -34,16 +34,16 @@ class Consumer:
         accumulators,
         batch_size,
         max_chunk_elements,
-        kronecker: Mapping[int, KroneckerSums],
+        layers: Mapping[int, LayerSums],
         mask: torch.Tensor,
     ):
-        """`kronecker`: the weights that add S_G += sum g g^T over the unpadded positions (`mask`, (B, T)) of each
-        call's output gradient instead of their per-sequence squares."""
+        """`layers`: the weights whose output gradients go to their layer sums at the unpadded positions (`mask`,
+        (B, T)) of each call (`LayerSums.add_output_grads`) instead of their per-sequence squares."""
         self.calls, self.owners, self.fallback = calls, owners, fallback
         self.accumulators, self.batch_size, self.max_chunk_elements = accumulators, batch_size, max_chunk_elements
-        self.kronecker, self.mask = kronecker, mask
+        self.layers, self.mask = layers, mask
         self.pending: dict[int, list[Use]] = {}
-        self.remaining = Counter(i for c in calls for _, i in self._covered(c) if i not in kronecker)
+        self.remaining = Counter(i for c in calls for _, i in self._covered(c) if i not in layers)
 
     def _covered(self, call):
         return [(role, i) for role, i in self.owners[call.module][1].items() if i not in self.fallback]
@@ -72,8 +72,8 @@ class Consumer:
         kind = self.owners[call.module][0]
         x, call.x = call.x.detach(), None
         for role, i in self._covered(call):
-            if i in self.kronecker:
-                self.kronecker[i].add_output_grads(g, self.mask)
+            if i in self.layers:
+                self.layers[i].add_output_grads(g, self.mask)
                 continue
             self.pending.setdefault(i, []).append(Use(kind, role, x, g, call.module))
             self.remaining[i] -= 1

@@ -19,7 +19,7 @@ b only, since the sequences of a batch do not interact). So the engine
    (`per_sequence_grads`, which states the G_b formulas), then releases those (a, g).
 
 Memory beyond a plain forward + backward: the float32 accumulators, one chunk of per-sequence
-gradients (`memory.default_chunk_elements`), and the (a, g) of parameters still waiting for a use
+gradients (`chunk_size.default_chunk_elements`), and the (a, g) of parameters still waiting for a use
 (a tied lm_head's, until the embedding's gradient arrives at the end of the backward).
 
 Covered modules (`module_kinds` states what each kind means): ``nn.Linear`` (LoRA's included), GPT-2
@@ -49,10 +49,10 @@ from torch import nn
 from transformers.utils import logging
 
 from ..errors import CFPArgumentError, CFPError, plural
+from ..geometry.base import LayerSums
 from ..parallel.processes import log_on_main_process
 from .backward import Consumer
-from .kfac_factors import KroneckerSums
-from .memory import default_chunk_elements
+from .chunk_size import default_chunk_elements
 from .module_kinds import ROLES, module_kind, norm_direction
 from .sampling import Sampler
 from .scoring import PaddedBatch, add_squared_score, sequence_log_prob
@@ -72,15 +72,15 @@ def add_batched_squared_scores(
     pad_id: int = 0,
     max_chunk_elements: int | None = None,
     supports: list[torch.Tensor | None] | None = None,
-    kronecker: Mapping[int, KroneckerSums] | None = None,
+    layers: Mapping[int, LayerSums] | None = None,
 ) -> None:
     """accumulators[i] += sum_b (d/dparams[i] log mu(y_b | x_b))^2, exactly, for B sequences in one
     batched forward and backward, where log mu(y|x) = sum_t sampler.log_probs(logits_t)[y_t] over the
     response tokens only (what hf_cfp.fisher.scoring.sequence_log_prob computes for one sequence).
 
-    For the weights in `kronecker` (index -> their `kfac_factors.KroneckerSums`; their accumulator is None) the same
-    pass adds the Kronecker factor sums instead: S_A += sum a a^T over every unpadded position in the forward hook,
-    S_G += sum g g^T in the backward one (`kfac_factors` states the factors).
+    For the weights in `layers` (index -> their `geometry.base.LayerSums`; their accumulator is None) the same pass
+    hands over their layer's inputs a_t at every unpadded position in the forward hook and its output gradients
+    g_t in the backward one instead (a sink sums S_A += sum a a^T and S_G += sum g g^T from them, K-FAC's factors).
 
     Args:
         model: a causal LM taking input_ids / attention_mask / position_ids; its train/eval mode
@@ -96,23 +96,23 @@ def add_batched_squared_scores(
         max_chunk_elements: sequences are processed in chunks so that one chunk's per-sequence
             gradient of a parameter has at most this many elements (at least one sequence); the
             result does not depend on it. None (default): chosen from the memory available when
-            the backward starts (`memory.default_chunk_elements`).
+            the backward starts (`chunk_size.default_chunk_elements`).
         supports: the support of mu each response token was drawn from, packed, one entry per
             response (`sampling.sample_with_supports`); None recomputes it from the scoring logits.
             A response token of probability 0 under mu raises CFPArgumentError.
-        kronecker: the weights whose Kronecker factor sums are added, by index into `params` (a Linear-like
-            module's weight, `kfac_factors.kfac_kind`); CFPError when one cannot be hooked (used outside its module).
+        layers: the weights whose layer inputs and output gradients are handed over, by index into `params` (a
+            layer's weight, `module_kinds.layer_kind`); CFPError when one cannot be hooked (used outside its module).
     """
     _check_batch(params, accumulators, prompts, responses)
-    kronecker = kronecker or {}
+    layers = layers or {}
     live = [i for i, p in enumerate(params) if p.requires_grad]
     if not live or not any(responses):
         return
     batch = PaddedBatch(prompts, responses, pad_id, params[live[0]].device, supports)
     owners, fallback = _find_owners(model, params, live)
 
-    mask = batch.mask.bool()  # the unpadded positions, for the K-FAC factors
-    tracer = _Tracer(owners, kronecker, mask)
+    mask = batch.mask.bool()  # the unpadded positions, for the layer sums
+    tracer = _Tracer(owners, layers, mask)
     try:
         logits = model(
             input_ids=batch.ids, attention_mask=batch.mask, position_ids=batch.positions, use_cache=False
@@ -125,7 +125,7 @@ def add_batched_squared_scores(
     calls = [c for c in tracer.calls if isinstance(c.out, torch.Tensor) and c.out.requires_grad]
     fallback |= _invalid_call_params(calls, owners, tuple(batch.ids.shape))
     fallback |= _params_used_elsewhere(total, calls, owners, params, live, fallback)
-    _refuse_kronecker_fallback(model, params, fallback, kronecker)
+    _refuse_layer_fallback(model, params, fallback, layers)
     _log_fallback(model, params, fallback)
 
     calls = [c for c in calls if c.reachable and any(i not in fallback for i in owners[c.module][1].values())]
@@ -133,7 +133,7 @@ def add_batched_squared_scores(
     if max_chunk_elements is None:
         max_chunk_elements = default_chunk_elements(batch.ids.device)
     if calls:
-        consumer = Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements, kronecker, mask)
+        consumer = Consumer(calls, owners, fallback, accumulators, batch.size, max_chunk_elements, layers, mask)
         consumer.backward(total)
     del total, calls
 
@@ -204,15 +204,15 @@ class _Call:
 
 
 class _Tracer:
-    """Forward hooks on the covered modules that record every call, and add the Kronecker input sums
-    S_A += sum_t a a^T of the `kronecker` weights over the unpadded positions (`mask`, (B, T)), or their sketches
-    (`kfac_factors.SketchedFactor`); a Gram matrix is formed once for consecutive calls on the same input (q, k and
+    """Forward hooks on the covered modules that record every call, and hand the inputs of the `layers` weights at
+    the unpadded positions (`mask`, (B, T)) to their sums (`LayerSums.add_inputs`: the rows, or their Gram matrix
+    sum_t a a^T); a Gram matrix is formed once for consecutive calls on the same input (q, k and
     v projections read one tensor)."""
 
-    def __init__(self, owners, kronecker: Mapping[int, KroneckerSums], mask: torch.Tensor):
+    def __init__(self, owners, layers: Mapping[int, LayerSums], mask: torch.Tensor):
         self.owners, self.busy = owners, False
         self.calls: list[_Call] = []
-        self.kronecker, self.mask = kronecker, mask
+        self.layers, self.mask = layers, mask
         self.last_gram: tuple[object, torch.Tensor | None] = (None, None)  # (input, its Gram matrix)
         self.handles = [m.register_forward_hook(self._hook, with_kwargs=True) for m in owners]
 
@@ -227,10 +227,10 @@ class _Tracer:
             finally:
                 self.busy = False
         self.calls.append(_Call(module, x, output, _versions(x, output)))
-        factored = [self.kronecker[i] for i in self.owners[module][1].values() if i in self.kronecker]
+        factored = [self.layers[i] for i in self.owners[module][1].values() if i in self.layers]
         if factored and isinstance(x, torch.Tensor) and tuple(x.shape[:2]) == tuple(self.mask.shape):
             for sums in factored:
-                sums.inputs.add(lambda: x[self.mask].float(), lambda: self._gram(x))
+                sums.add_inputs(lambda: x[self.mask].float(), lambda: self._gram(x))
 
     @torch.no_grad()
     def _gram(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,10 +319,10 @@ def _graph_uses(root: torch.Tensor, wanted: dict[int, int]):
     return counts, seen
 
 
-def _refuse_kronecker_fallback(model, params, fallback, kronecker) -> None:
-    """CFPError naming the Kronecker-factored weights the hooks cannot follow: their factors need every call's
+def _refuse_layer_fallback(model, params, fallback, layers) -> None:
+    """CFPError naming the weights whose layer sums the hooks cannot follow: they need every call's
     input and output gradient, which the per-sequence loop does not see."""
-    refused = sorted(i for i in fallback if i in kronecker)
+    refused = sorted(i for i in fallback if i in layers)
     if refused:
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
         listed = ", ".join(names.get(id(params[i]), f"params[{i}]") for i in refused)

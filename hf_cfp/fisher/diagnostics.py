@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..anchor import FisherAnchor
-from ..anchor.compare import layout_difference, top_mask, top_overlap
+from ..anchor.compare import layout_difference
 from ..errors import AnchorMismatchError, CFPArgumentError, plural
 from ..names import named_parameters_once
+from ..ops.order_statistics import top_mask, top_overlap
 from .estimate import requiring_grad
 
 IGNORE_INDEX = -100  # the label of positions the loss skips (transformers' convention)

@@ -3,28 +3,28 @@
 The stages, each its own piece: the arguments checked (`_check_arguments`, `Sampler`), the sampler's settings
 (`sampling.SamplingSettings`), the calibration sequences and their split over processes and halves
 (`calibration.CalibrationPlan`), their responses drawn or given (`_OnPolicy`, `_Given`), the groups scored
-together, one sample per token for the token estimator (`calibration.ScoringGroups`), the sums they add to
-(`accumulators.DiagonalSums`), their all-reduce (the sums on the parameters' device, the counters on
-`parallel.collective_device()`: a collective takes tensors of one device), and the anchor's metadata (`_metadata`).
+together, one sample per token for the token estimator (`calibration.ScoringGroups`), the pass that scores them
+into the sinks of the structure's geometries (`feeding.ScoringPass`, `geometry.registry`), their all-reduce (the
+sums on the parameters' device, the counters on `parallel.collective_device()`: a collective takes tensors of one
+device), and the anchor's metadata (`_metadata`).
 """
 
 import contextlib
 from datetime import datetime, timezone
-from functools import partial
 
 import torch
 from tqdm.auto import tqdm
 
 from ..anchor import FisherAnchor, model_fingerprint
+from ..geometry.base import EstimatePlan
 from ..names import named_parameters_once
 from ..parallel import all_reduce_sum_, collective_device, process_rank_and_count
 from ..version import __version__
-from .accumulators import ENGINE_FUNCTIONS, DiagonalSums, FisherSums
 from .calibration import CalibrationPlan, ScoringGroups
 from .estimate_checks import check_arguments, check_causal_lm, check_structure, labels_of
-from .kfac_sums import KroneckerFisherSums
-from .prompts import prompts_sha256, to_token_ids
+from .feeding import ENGINE_FUNCTIONS, ScoringPass, scored_parameters, structure_sinks
 from .sampling import Sampler, SamplingSettings
+from .token_ids import prompts_sha256, to_token_ids
 
 ENGINES = tuple(ENGINE_FUNCTIONS)
 
@@ -90,15 +90,18 @@ def estimate_fisher(
     estimator splits by the sequence its tokens come from). It sits beside `metadata["statistics"]`,
     which the anchor recomputes from its tensors alone.
 
-    structure="kfac": on the same sequences, for every Linear-like weight W (out x in; `fisher.kfac_factors`:
-    nn.Linear, GPT-2 Conv1D, both dimensions at most `kfac_factors.MAX_DIMENSION`), with positions t running over
-    every token fed to the scoring forward (prompt and response, T in all), a_t the layer's input and
-    g_t = d log mu(y_n | x_n) / d(layer output at t):
+    structure="kfac": on the same sequences, for every Linear-like weight W (out x in: nn.Linear and GPT-2 Conv1D
+    with their stock forward, owned by that module alone, whatever their width; `geometry.kronecker.factors`), with
+    positions t running over every token fed to the scoring forward (prompt and response, T in all), a_t the
+    layer's input and g_t = d log mu(y_n | x_n) / d(layer output at t):
 
         A = (1/T) sum_{n,t} a a^T,   G = (1/N) sum_{n,t} g g^T,   F_W ~ A (x) G,
 
-    kept as their eigenbases (top `kfac_rank` eigenpairs of each; all by default); every other covered parameter
-    (embeddings, norms, biases, a vocabulary-sized lm_head) keeps its diagonal F above, and the split-half
+    kept as their eigenbases (top `kfac_rank` eigenpairs of each and the mean of the rest as a tail; all by
+    default). A factor wider than `geometry.kronecker.factors.MAX_FORMED_DIMENSION` (an untied vocabulary-sized
+    lm_head's G) is never formed: its top eigenpairs come from a streamed sketch refined by a second pass over the
+    scored sequences, keeping `kfac_rank` of them (`factors.WIDE_RANK` when None). Every other covered parameter
+    (embeddings, norms, biases, a weight tied to an embedding) keeps its diagonal F above, and the split-half
     statistics cover that diagonal part. Sequence and empirical estimators only.
 
     Args:
@@ -159,20 +162,10 @@ def estimate_fisher(
     settings = SamplingSettings.resolve(model, tokenizer, sampler, max_new_tokens, eos_token_id, seed)
     plan = CalibrationPlan(num_sequences, batch_size, num_samples_per_prompt, *process_rank_and_count())
     named = named_parameters_once(model, trainable_only=trainable_only)
-    diagonal = partial(
-        DiagonalSums,
-        num_sequences=num_sequences,
-        half=plan.half,
-        engine=engine,
-        sampler=settings.sampler,
-        pad_id=settings.pad_id,
-    )
     disable = not show_progress or plan.rank != 0
-    sums: FisherSums = (
-        KroneckerFisherSums(model, list(named), diagonal, kfac_rank, name, show_progress=not disable)
-        if structure == "kfac"
-        else diagonal(named)
-    )
+    parts = EstimatePlan(num_sequences, plan.half, kfac_rank, name, show_progress=not disable)
+    sinks = structure_sinks(structure, scored_parameters(model, list(named)), parts)
+    sums = ScoringPass(sinks, engine, settings.sampler, settings.pad_id)
     groups = ScoringGroups(estimator == "token", batch_size, scoring_tokens)
     with _evaluating(model):
         check_causal_lm(model, prompt_ids[0])
@@ -184,8 +177,8 @@ def estimate_fisher(
             response_tokens = _score_batches(model, prompt_ids, plan, source, groups, sums)
             all_reduce_sum_(sums.reduced())  # beside the parameters
             all_reduce_sum_([response_tokens, *sums.counts()])  # on collective_device()
-            all_reduce_sum_(sums.refine(model))  # K-FAC factors too wide to form: a second pass over their sketches
-    fisher, bases, reliability = sums.finish()
+            all_reduce_sum_(sums.refine(model))  # factors too wide to form: a second pass over their sketches
+    finished = sums.finish()
     metadata = _metadata(
         model,
         estimator,
@@ -194,15 +187,18 @@ def estimate_fisher(
         prompt_ids,
         sampled=labels is None,
         mean_response_tokens=float(response_tokens) / num_sequences,
-        split_half=reliability,
+        split_half=next((p.split_half for p in finished if p.split_half is not None), None),
         trainable_only=trainable_only,
     )
-    if structure == "kfac":
-        metadata.update(kfac_rank=kfac_rank, num_tokens=float(sums.tokens))  # type: ignore[attr-defined]
+    fisher, bases = {}, {}
+    for part in finished:
+        fisher.update(part.fisher)
+        bases.update(part.kfac)
+        metadata.update(part.metadata)
     return FisherAnchor(fisher, name=name, metadata=metadata, kfac=bases)
 
 
-def _score_batches(model, prompt_ids, plan: CalibrationPlan, source, groups: ScoringGroups, sums: FisherSums):
+def _score_batches(model, prompt_ids, plan: CalibrationPlan, source, groups: ScoringGroups, sums: ScoringPass):
     """Every batch of this process: its prompts, their responses (`source`), each half's groups added to `sums`.
     Returns the number of response tokens, float64 [1] on `collective_device()` (to be all-reduced)."""
     response_tokens = torch.zeros(1, dtype=torch.float64, device=collective_device())

@@ -4,16 +4,16 @@ that the model is a causal LM (one forward, so a model that cannot generate fail
 import torch
 
 from ..errors import CFPArgumentError, plural
-from .prompts import to_token_ids
+from ..geometry import STRUCTURES
+from .token_ids import to_token_ids
 
 ESTIMATORS = ("sequence", "token", "empirical")
-STRUCTURES = ("diagonal", "kfac")
 
 
 def check_structure(structure: str, kfac_rank: int | None, estimator: str) -> None:
     """CFPArgumentError for an unknown structure, a bad kfac_rank, or K-FAC with the token estimator."""
     if structure not in STRUCTURES:
-        raise CFPArgumentError(f"structure must be one of {STRUCTURES}, got {structure!r}.")
+        raise CFPArgumentError(f"structure must be one of {tuple(STRUCTURES)}, got {structure!r}.")
     if kfac_rank is not None and (not isinstance(kfac_rank, int) or isinstance(kfac_rank, bool) or kfac_rank < 1):
         raise CFPArgumentError(f"kfac_rank must be None (all eigenpairs) or an integer >= 1, got {kfac_rank!r}.")
     if structure == "diagonal" and kfac_rank is not None:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call
 from transformers.pytorch_utils import Conv1D  # GPT-2 style: weight is in x out
 
-__all__ = ["ROLES", "embedding_scale", "module_kind", "norm_direction"]
+__all__ = ["ROLES", "embedding_scale", "layer_kind", "module_kind", "norm_direction"]
 
 # The parameters each module kind knows how to differentiate.
 ROLES = {
@@ -56,6 +56,19 @@ def module_kind(module: nn.Module) -> str | None:
     if _probe_affine_norm(module) is not None:
         return "norm"
     return None
+
+
+def layer_kind(module: nn.Module) -> str | None:
+    """ "linear" or "conv1d" when `module` is a layer y_t = W a_t + c with a 2-D weight whose inputs a_t and output
+    gradients g_t the batched engine hands out (`batched.add_batched_squared_scores`' `layers` argument), else
+    None."""
+    kind = module_kind(module)
+    if kind not in ("linear", "conv1d"):
+        return None
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None
+    return kind
 
 
 def embedding_scale(module: nn.Embedding) -> float | None:

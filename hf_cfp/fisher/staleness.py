@@ -4,17 +4,18 @@ the settings the anchor was estimated with, and compare the top-1% coordinate se
     top1_overlap_now = |T(F(theta0)) ∩ T(F(theta_t))| / |T|,    T the top ceil(0.01 n) coordinates,
 
 over the anchor's parameters (for a K-FAC anchor: over the diagonal of A (x) G and its diagonal F,
-`anchor.kfac_views.ImpliedDiagonal`, since two estimates' eigenbases need not agree). The cost is one `estimate_fisher`
-call with the anchor's own sizes (its `num_sequences` responses of up to its `max_new_tokens`), about the time it
-took to build the anchor.
+`geometry.kronecker.views.ImpliedDiagonal`, since two estimates' eigenbases need not agree). The cost is one
+`estimate_fisher` call with the anchor's own sizes (its `num_sequences` responses of up to its `max_new_tokens`),
+about the time it took to build the anchor.
 """
 
 from transformers.utils import logging
 
 from ..anchor import FisherAnchor
-from ..anchor.compare import layout_difference, top_overlap
-from ..anchor.kfac_views import ImpliedDiagonal
+from ..anchor.compare import layout_difference
 from ..errors import AnchorMismatchError
+from ..geometry.kronecker.views import ImpliedDiagonal
+from ..ops.order_statistics import top_overlap
 from ..parallel.processes import log_on_main_process
 from .estimate import estimate_fisher
 

@@ -7,7 +7,7 @@ from transformers.utils import logging
 
 from ..errors import CFPArgumentError
 from ..evaluation import BaseResponses, draw_base_responses
-from ..fisher.prompts import to_token_ids
+from ..fisher.token_ids import to_token_ids
 from ..parallel import log_on_main_process
 from .reporting import add_to_step_log, attach_before_reporters, find_trainer_call, place_at_train_begin
 

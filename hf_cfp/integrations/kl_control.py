@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import CFPArgumentError, CFPError
 from ..evaluation import BaseResponses, KLEstimate, draw_base_responses
-from ..fisher.prompts import to_token_ids
+from ..fisher.token_ids import to_token_ids
 from ..names import MEASURED_KL
 
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)

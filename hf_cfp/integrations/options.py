@@ -140,7 +140,7 @@ class ProtectionOptions:
         "proximal_b",
         help='How a LoRA-adapted weight is corrected (PEFT models only): `"proximal_b"`, the exact proximal step '
         'restricted to B (A fixed); `"least_squares_b"`, its unweighted fit; `"factor_space"`, elementwise CFP on '
-        "B and A with F pulled back through the adapter (cheaper, not exact). See `hf_cfp.ops.lora_correction`.",
+        "B and A with F pulled back through the adapter (cheaper, not exact). See `hf_cfp.geometry.diagonal.lora`.",
     )
     strict: bool = option(
         True,

@@ -9,7 +9,7 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError
-from ..ops.lora_correction import LORA_RULES
+from ..geometry.diagonal.lora import LORA_RULES
 from ..protection import CFPState, MemoryPlan
 from .kl_control import KLMeasurement
 from .options import ProtectionOptions
@@ -109,7 +109,7 @@ class ProtectionSettings:
 
         Raises:
             CFPArgumentError: a predicted_kl_budget on a model with LoRA-adapted weights, or with several
-                protecting anchors on a K-FAC weight (`protection.summed`).
+                protecting anchors on a K-FAC weight (`geometry.kronecker.summed`).
         """
         protection = CFPState(
             model, anchors, self.monitors, self.free_fraction, optimizer, theta0, self.lora_rule, self.memory

@@ -149,8 +149,8 @@ class Strength:
         return {"lam": "schedule" if callable(self.lam) else list(self.lam), "scale_lam_with_lr": self.scale_with_lr}
 
     def describe_sparse(self, protection: CFPState) -> str:
-        """The sparse plan's line (`protection.sparse.describe_sparse`), with the largest lam F dropped when lam is
-        a constant."""
+        """The sparse plan's line (`geometry.diagonal.sparse.describe_sparse`), with the largest lam F dropped when
+        lam is a constant."""
         assert protection.sparse_report is not None  # a sparse plan
         constant = None if callable(self.lam) or self.scale_with_lr else self.lam
         return describe_sparse(protection.sparse_report, protection.protecting, constant)

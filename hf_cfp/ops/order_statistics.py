@@ -130,3 +130,28 @@ def order_statistics(tensors: Collection[torch.Tensor], ranks: Callable[[int], S
         values.append(value)
         tails.append(above_sum + (n - k + 1 - above) * value)
     return Ranked(n, float(high_sums.sum()), tuple(values), tuple(tails))
+
+
+def top_mask(tensors: Sequence[torch.Tensor], fraction: float) -> torch.Tensor:
+    """T(F): a flat boolean mask of the k = ceil(fraction * n) largest coordinates of the tensors taken in
+    order and flattened; ties at the k-th largest value are broken by the lower flat index. The k-th largest
+    is selected by streaming (`ops.order_statistics`); the tensors are never concatenated, only the mask is
+    built (n bytes)."""
+    kth = order_statistics(tensors, lambda n: [top_rank(fraction, n)]).values[0]
+    flats = [t.detach().reshape(-1) for t in tensors]
+    mask = torch.empty(sum(f.numel() for f in flats), dtype=torch.bool, device=flats[0].device)
+    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
+        torch.gt(flat, kth, out=part)
+    need = rank_of_fraction(fraction, mask.numel()) - int(mask.sum())  # ties at kth to take, lowest index first
+    for flat, part in zip(flats, mask.split([f.numel() for f in flats]), strict=True):
+        tied = (flat == kth).nonzero().squeeze(1)[:need]
+        part[tied] = True
+        need -= tied.numel()
+    return mask
+
+
+def top_overlap(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], fraction: float) -> float:
+    """|T(a) ∩ T(b)| / |T|, T the top ceil(fraction * n) coordinate set of `top_mask`."""
+    mask_a = top_mask(a, fraction)
+    mask_b = top_mask(b, fraction).to(mask_a.device)
+    return int((mask_a & mask_b).sum()) / int(mask_a.sum())

@@ -4,11 +4,11 @@ after every optimizer step, measure the drift, and keep theta0 across checkpoint
 Trainer-free: `CFPState` is what the Trainer callback drives, and what a custom loop can drive.
 """
 
-from .binding import BoundTensor, bind_anchor
+from ..geometry.diagonal.binding import BoundTensor, bind_anchor
+from ..geometry.diagonal.sparse import SparseReport, describe_sparse
 from .checkpoint import SavedTheta0, has_saved_theta0, save_theta0
 from .memory import MemoryPlan
 from .peft_adapters import peft_view
-from .sparse import SparseReport, describe_sparse
 from .state import CFPState
 from .theta0 import Theta0Pieces
 

@@ -1,4 +1,4 @@
-"""The correction group of a protecting anchor's LoRA-adapted weights (see `ops.lora_correction`).
+"""The correction group of a protecting anchor's LoRA-adapted weights (see `geometry.diagonal.lora`).
 
 After each optimizer step every adapted weight whose F is nonzero somewhere gets new factors from the chosen
 rule, applied to the summed pull P = sum_k lam_k F_k of the protecting anchors (one anchor: P = lam F); a weight
@@ -8,7 +8,7 @@ measures how much of the CFP target the adapters missed:
     adapter_residual = ||D_after - D'|| / ||D'||      over the corrected weights, D' = D / (1 + P)
 
 A weight whose protecting anchor is Kronecker-factored (one protecting anchor then covers it) is corrected by the
-rule's K-FAC form (`ops.kfac_lora`) toward D' = the K-FAC proximal map of D; `factor_space` has none.
+rule's K-FAC form (`geometry.kronecker.lora`) toward D' = the K-FAC proximal map of D; `factor_space` has none.
 """
 
 import math
@@ -16,10 +16,11 @@ import math
 import torch
 
 from ..errors import CFPArgumentError, CFPError
+from ..geometry.diagonal.lora import LORA_RULES, cfp_target
+from ..geometry.kronecker.basis import KroneckerBasis
+from ..geometry.kronecker.lora import KFAC_LORA_RULES, kfac_target
+from ..geometry.lora import LoraFactors
 from ..ops import pull_strength
-from ..ops.kfac import KroneckerBasis
-from ..ops.kfac_lora import KFAC_LORA_RULES, kfac_target
-from ..ops.lora_correction import LORA_RULES, LoraFactors, cfp_target
 from .peft_adapters import AdaptedWeight
 
 

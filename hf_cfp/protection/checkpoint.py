@@ -25,8 +25,8 @@ from safetensors import safe_open
 
 from ..anchor.storage import save_tensor_file
 from ..errors import CFPError
+from ..geometry.binding import HeldRange
 from ..parallel import process_rank_and_count
-from .binding import HeldRange
 from .peft_adapters import AdaptedWeight
 from .state import CFPState
 

@@ -33,8 +33,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 from ..errors import CFPError
+from ..geometry.lora import LoraFactors
 from ..ops import DriftView, drift_squares
-from ..ops.lora_correction import LoraFactors
 
 if TYPE_CHECKING:  # peft's types, for type checkers only (peft is imported once a PeftModel exists)
     from peft import PeftModel

@@ -2,7 +2,7 @@
 
 - `TrackedTensor`: one trainable parameter some anchor covers, as this process holds it (a replica, or an FSDP /
   ZeRO-3 piece): its theta0, the diagonal F of every anchor covering it that way, and the Kronecker eigenbases
-  (`ops.kfac.KroneckerBasis`) of every K-FAC anchor factoring it.
+  (`geometry.kronecker.basis.KroneckerBasis`) of every K-FAC anchor factoring it.
 - `AdaptedTensor`: one LoRA-adapted base weight some anchor covers (a PeftModel): its factors' snapshot and the
   F of every anchor covering it.
 - `AnchorView`: one anchor as its metrics see it: the tensors it covers and its free-drift threshold.
@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..anchor import FisherAnchor
-from ..anchor.kfac_views import AnchorWeights
-from ..anchor.lazy import TensorsOf
+from ..geometry.binding import HeldRange
+from ..geometry.diagonal.artifact import TensorsOf
+from ..geometry.diagonal.binding import BoundTensor
+from ..geometry.kronecker.basis import KroneckerBasis
+from ..geometry.kronecker.binding import BoundKronecker
+from ..geometry.kronecker.views import AnchorWeights
 from ..ops import free_threshold
-from ..ops.kfac import KroneckerBasis
 from ..parallel import local_tensor
-from .binding import BoundTensor, HeldRange
-from .kronecker_binding import BoundKronecker
 from .memory import MemoryPlan
 from .peft_adapters import AdaptedWeight
 from .theta0 import Theta0Reader
@@ -156,7 +157,7 @@ def anchor_views(
     """Each anchor's view, by name. Its threshold is the free_fraction order statistic of its full F over every
     covered parameter that can move (trainable and LoRA-adapted ones; `ops.free_threshold`), read one tensor at a
     time (an anchor kept in its files is never loaded whole); for a K-FAC anchor the values are the weights of its
-    coordinates (`anchor.kfac_views.AnchorWeights`: the eigenvalue of each coordinate of A_r (x) G_r);
+    coordinates (`geometry.kronecker.views.AnchorWeights`: the eigenvalue of each coordinate of A_r (x) G_r);
     inf when it covers none."""
     by_param = {id(t.param): t for t in tracked}
     views = {}

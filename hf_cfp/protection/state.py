@@ -11,19 +11,22 @@ import torch
 
 from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, plural
+from ..geometry import GEOMETRIES
+from ..geometry import geometry as registered
+from ..geometry.base import Bound, GeometryState, complete
+from ..geometry.diagonal.binding import bind_anchor
+from ..geometry.diagonal.state import Chained, DiagonalTensors, pull_profile, sparse_correction
+from ..geometry.kronecker.binding import bind_kronecker
+from ..geometry.kronecker.state import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
+from ..geometry.kronecker.summed import SummedTensors
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, SUMMED_ITERATIONS, drift_keys
 from ..ops import DriftView, solve_budget
 from ..parallel.deepspeed import master_correction
 from .adapter_correction import AdapterCorrection
-from .binding import bind_anchor
-from .diagonal import Chained, DiagonalTensors, pull_profile, sparse_correction
-from .geometry import Geometry, complete
-from .kronecker import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
-from .kronecker_binding import bind_kronecker
 from .memory import MemoryPlan
+from .path import Path
 from .peft_adapters import adapted_drift_sq, peft_view
 from .records import AdaptedTensor, adapted_tensors, anchor_views, track
-from .summed import SummedTensors, summed_tensors
 from .theta0 import Theta0Pieces, Theta0Reader
 
 
@@ -43,11 +46,12 @@ class CFPState:
 
     What it holds, as named records (`records`): `tensors`, one `TrackedTensor` per covered trainable parameter
     (theta0, held range, each anchor's F); `views`, one `AnchorView` per anchor (its tensors, its free-drift
-    threshold); `diagonal`, the tensors whose F is a diagonal, with the lists the per-step ops take (`diagonal`);
-    `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F is one
-    `geometry.Geometry` in `geometries` (`diagonal`, the tensors whose F is a diagonal; `kronecker`, the weights
-    K-FAC anchors factor; `summed`, the weights under several protecting anchors, some K-FAC): every method below
-    runs them alike, with no branch on the structure.
+    threshold); `path`, theta0 and the total drift of the tracked tensors, which belong to no geometry (`path`);
+    `adapted` and `adapters`, the LoRA-adapted weights and their correction. Each structure of F keeps its per-step
+    state (`geometry.base.GeometryState`) in `geometries` beside the path (`diagonal`, the tensors whose F is a
+    diagonal, `geometry.diagonal.state`; `kronecker`, the weights K-FAC anchors factor, and `summed`, the weights
+    under several protecting anchors, some K-FAC, `geometry.kronecker`): every method below runs them alike, with
+    no branch on the structure.
 
     Args:
         model (`torch.nn.Module`): the model being trained (plain or PEFT; under DDP, FSDP2, FSDP1 or ZeRO).
@@ -58,7 +62,7 @@ class CFPState:
         theta0 (`Theta0Reader`, *optional*): a saved theta0 (`checkpoint.SavedTheta0`) restored instead of a snapshot
             of the weights: resuming, under any number of processes (on a PeftModel, the LoRA factors at train begin).
         lora_rule (`str`, *optional*, defaults to `"proximal_b"`): "proximal_b", "least_squares_b" or "factor_space"
-            (`ops.lora_correction`).
+            (`geometry.diagonal.lora`).
         memory (`MemoryPlan`, *optional*): where and in which dtype theta0 and F are kept (default: dense, F float32).
 
     Raises:
@@ -91,15 +95,16 @@ class CFPState:
             theta0.restore_lora([a.weight for a in adapted])  # the path's origin: the factors at train begin
         tracked = track(bound, memory, theta0, factored)
         views = anchor_views(anchors, bound, tracked, adapted, free_fraction)
-        several = summed_tensors(tracked, names)
-        kronecker = KroneckerTensors(views, names, several)
-        refuse_unsolvable(adapted, names, memory, kronecker)
         sparse, report = (
-            sparse_correction(memory, protecting, bound, tracked) if memory.sparse is not None else (None, None)
+            sparse_correction(float(memory.sparse), memory.sparse_by, protecting, bound, tracked)
+            if memory.sparse is not None
+            else (None, None)
         )
-        thresholds = {name: v.threshold for name, v in views.items()}
-        diagonal = DiagonalTensors(tracked, names, thresholds, sparse, several)
-        summed = SummedTensors(several, views, names)
+        states = {name: registered(name).states(Bound(tracked, views, names, sparse)) for name in GEOMETRIES}
+        (diagonal,), (kronecker, summed) = states["diagonal"], states["kronecker"]  # what the checks below read
+        assert isinstance(diagonal, DiagonalTensors) and isinstance(kronecker, KroneckerTensors)
+        assert isinstance(summed, SummedTensors)
+        refuse_unsolvable(adapted, names, memory.sparse is not None, kronecker)
         adapters = _adapter_correction(adapted, names, lora_rule)
         # DeepSpeed ZeRO: also correct the optimizer's fp32 master partitions (None otherwise).
         protected = diagonal.protected
@@ -116,7 +121,9 @@ class CFPState:
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
         self.summed = summed
-        self.geometries: tuple[Geometry, ...] = (diagonal, kronecker, summed)
+        self.path = Path(tracked, len(views))  # theta0 and the total drift: no geometry's
+        # every registered geometry's states, in the registry's order, beside the path
+        self.geometries: tuple[GeometryState, ...] = (self.path, *(s for name in GEOMETRIES for s in states[name]))
         self.adapted, self.adapters, self._adapted = [a.weight for a in adapted], adapters, adapted
         self._adapted_views = [
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
@@ -130,8 +137,8 @@ class CFPState:
 
     @property
     def theta0(self) -> list[torch.Tensor]:
-        """theta0 of each tracked parameter (this process's part), in the order of `names`."""
-        return [t.theta0 for t in self.tensors]
+        """theta0 of each tracked parameter (this process's part), in the order of `names` (the path's origin)."""
+        return self.path.theta0
 
     def theta0_pieces(self) -> Theta0Pieces:
         """This state's theta0 pieces and LoRA factors at train begin, as a `Theta0Reader`: a state binding other

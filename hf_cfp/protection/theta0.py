@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from ..errors import CFPError
-from .binding import HeldRange
+from ..geometry.binding import HeldRange
 from .peft_adapters import AdaptedWeight
 
 

@@ -22,11 +22,11 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from hf_cfp.anchor import FisherAnchor, check_fingerprint
-from hf_cfp.anchor.kfac import truncate_basis, with_tails
 from hf_cfp.errors import CFPArgumentError, CFPError
+from hf_cfp.geometry.kronecker.artifact import truncate_basis, with_tails
+from hf_cfp.geometry.kronecker.basis import KroneckerBasis
 from hf_cfp.integrations.strength import check_lam
 from hf_cfp.ops import proximal_pull_
-from hf_cfp.ops.kfac import KroneckerBasis
 from hf_cfp.parallel.deepspeed import uses_deepspeed
 from hf_cfp.protection import bind_anchor, peft_view
 
@@ -51,15 +51,15 @@ def isotropic_anchor(anchor: FisherAnchor, name: str = "isotropic") -> FisherAnc
 
 
 def truncated_anchor(anchor: FisherAnchor, rank: int, name: str, tail: str = "zero") -> FisherAnchor:
-    """K-FAC `anchor` with each factor's top `rank` eigenpairs (`hf_cfp.anchor.kfac.truncate_basis`; the stored
-    bases are largest first) and `tail` for the directions left out:
+    """K-FAC `anchor` with each factor's top `rank` eigenpairs (`hf_cfp.geometry.kronecker.artifact.truncate_basis`;
+    the stored bases are largest first) and `tail` for the directions left out:
 
         A_r = U_A diag(alpha[:r]) U_A^T + rho_A (I - U_A U_A^T),   the same for G,
 
     rho = 0 with `tail="zero"` (the rest free: CFP pulls on the top r x r block of each weight's rotated coordinates
     alone), rho = (tr A - sum alpha[:r]) / (in - r) with `tail="mean"` (trace-preserving; CFP's exact four-block
-    map, `hf_cfp.ops.kfac`). A zero tail is kept as no tail at all: the same quadratic and correction, on the
-    two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
+    map, `hf_cfp.geometry.kronecker.basis`). A zero tail is kept as no tail at all: the same quadratic and correction,
+    on the two-matmul path that made the committed `math_r<r>` rows. A factor of dimension <= rank stays whole. The
     diagonal F of its other parameters is unchanged. The metadata is copied with `kfac_rank`, `kfac_tail`,
     `kfac_floats_per_param`, `derived_from` (the anchor's name) and `transform` added.
     """

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, batch_generator, resolve_eos_ids, resolve_pad_id, sample_responses
+from hf_cfp.fisher.token_ids import to_token_ids
 from hf_cfp.launch.rewards import _text as completion_text
 from hf_cfp.launch.rewards import brevity
 

@@ -48,7 +48,7 @@ class Costs:
     @property
     def kfac_tailed_step(self) -> float:
         """One correction with a mean tail (rank 64): the four-block map, about 4 matmuls out x in x r against 2
-        (`hf_cfp.ops.kfac`), so twice `kfac_truncated_step` (a prior, until such rows ran)."""
+        (`hf_cfp.geometry.kronecker.basis`), so twice `kfac_truncated_step` (a prior, until such rows ran)."""
         return 2 * self.kfac_truncated_step
 
 

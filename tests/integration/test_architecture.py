@@ -11,10 +11,17 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "hf_cfp"
 
 # Each layer imports only from layers before it (and from itself).
+# `geometry` (one package per structure of F, each whole: math, estimate sink, artifact part, binding, per-step state,
+# LoRA rules; the one registry of structures) sits below `anchor` and `fisher`, which look a structure's parts up in
+# it (the anchor artifact reads each geometry's keys, checks and lazy reads; the scoring pass hands what it computes
+# to the sinks the structure registered), and below `protection`, which binds the geometries and composes their
+# per-step states beside the path: the states read the bound records through `geometry.base`'s protocols, so no
+# geometry module imports a layer above it.
 LAYERS = [
     ("version", "errors", "exports", "imports", "quiet", "names", "quantized"),
     ("ops",),
     ("parallel",),
+    ("geometry",),
     ("anchor",),
     ("fisher",),
     ("protection",),

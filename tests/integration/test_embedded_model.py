@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hf_cfp import CFPCallback, estimate_fisher
-from hf_cfp.fisher.prompts import to_token_ids
 from hf_cfp.fisher.sampling import Sampler, batch_generator, sample_responses
+from hf_cfp.fisher.token_ids import to_token_ids
 from hf_cfp.loading import load_embedded_model
 from hf_cfp.loading.prompts import calibration_prompts
 

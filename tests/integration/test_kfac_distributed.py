@@ -24,7 +24,7 @@ from support.distributed import (
     trainer_run,
 )
 
-from hf_cfp.fisher import kfac_factors
+from hf_cfp.geometry.kronecker import factors as kfac_factors
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from support.tiny import tiny_llama, tiny_tokenizer
 from support.training import CrashAfterSave, checkpointed_run
 
 from hf_cfp import CFP, CFPCallback, FisherAnchor, estimate_fisher
-from hf_cfp.fisher import kfac_factors
+from hf_cfp.geometry.kronecker import factors as kfac_factors
 from hf_cfp.names import LAM, PREDICTED_KL
 
 

@@ -12,7 +12,7 @@ from support.training import CrashAfterSave, adamw_loop, checkpointed_run, full_
 from transformers import Trainer
 
 from hf_cfp import CFP, CFPCallback, estimate_fisher
-from hf_cfp.anchor.kfac import dense_factors
+from hf_cfp.geometry.kronecker.artifact import dense_factors
 from hf_cfp.names import SENSITIVE_DRIFT, SUMMED_ITERATIONS
 
 LAMS = [60.0, 20.0]

@@ -1,5 +1,5 @@
 """scripts/plan_7b.py on Llama-3-8B's shape (meta device, seconds): every Linear weight factored, its RESULT line,
-and the correction's FLOPs against a count of the products of `ops.kfac`."""
+and the correction's FLOPs against a count of the products of `geometry.kronecker.basis`."""
 
 import importlib.util
 from pathlib import Path

@@ -32,7 +32,7 @@ from support.distributed import (
 def main(out, anchor, tailed, safety):
     import torch.distributed as dist
 
-    from hf_cfp.fisher import kfac_factors
+    from hf_cfp.geometry.kronecker import factors as kfac_factors
 
     results = {}
     for suffix, directory in (("", anchor), ("_tailed", tailed), ("_summed", [tailed, safety])):

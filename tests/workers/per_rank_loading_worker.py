@@ -18,8 +18,8 @@ from benchkit.resident import peak_rss_increase
 from support.distributed import per_rank_model
 
 from hf_cfp import FisherAnchor
+from hf_cfp.geometry.diagonal.binding import bind_anchor
 from hf_cfp.protection import CFPState
-from hf_cfp.protection.binding import bind_anchor
 
 
 def bound_pieces(bound):

@@ -8,9 +8,10 @@ import torch
 from support.tiny import anchor_for, tiny_llama
 
 from hf_cfp import FisherAnchor
-from hf_cfp.anchor.compare import compare_anchors, top_mask
+from hf_cfp.anchor.compare import compare_anchors
 from hf_cfp.cli import main
 from hf_cfp.errors import AnchorMismatchError
+from hf_cfp.ops.order_statistics import top_mask
 
 N = 2000  # top 0.1% = 2 coordinates, 1% = 20, 5% = 100
 NAMES = {  # flat ranges: q_proj 0..999, down_proj 1000..1899, norm 1900..1999

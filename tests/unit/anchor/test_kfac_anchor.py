@@ -10,8 +10,8 @@ from support.tiny import tiny_llama
 from hf_cfp import FisherAnchor, estimate_fisher
 from hf_cfp.anchor.card import render_card
 from hf_cfp.anchor.compare import compare_anchors
-from hf_cfp.anchor.lazy import LazyFisher
 from hf_cfp.errors import AnchorMismatchError, AnchorValidationError, CFPArgumentError
+from hf_cfp.geometry.diagonal.artifact import LazyFisher
 
 
 def psd(n: int, seed: int) -> torch.Tensor:

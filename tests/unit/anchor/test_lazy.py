@@ -1,5 +1,5 @@
-"""An anchor kept in its files (`FisherAnchor.from_pretrained(..., lazy=True)`, hf_cfp/anchor/lazy.py): the same
-F, names, statistics and errors as the anchor loaded whole, flat ranges and blocks equal to slices of the full
+"""An anchor kept in its files (`FisherAnchor.from_pretrained(..., lazy=True)`, hf_cfp/geometry/diagonal/artifact.py):
+the same F, names, statistics and errors as the anchor loaded whole, flat ranges and blocks equal to slices of the full
 tensors while reading only the rows that hold them, values checked as they are read, and binding it to a model
 giving the same CFPState as the anchor in memory."""
 
@@ -11,9 +11,9 @@ from safetensors.torch import save_file
 from support.tiny import anchor_for, tiny_llama
 
 from hf_cfp import FisherAnchor
-from hf_cfp.anchor.lazy import LazyFisher, TensorsOf, fisher_shape, read_block, read_flat
 from hf_cfp.anchor.storage import WEIGHTS_NAME
 from hf_cfp.errors import AnchorFormatError, AnchorValidationError
+from hf_cfp.geometry.diagonal.artifact import LazyFisher, TensorsOf, fisher_shape, read_block, read_flat
 from hf_cfp.ops import free_threshold
 from hf_cfp.protection import CFPState
 

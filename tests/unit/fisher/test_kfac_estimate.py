@@ -15,8 +15,8 @@ from support.tiny import tiny_llama
 
 from hf_cfp import estimate_fisher
 from hf_cfp.errors import CFPArgumentError
-from hf_cfp.fisher import kfac_factors
-from hf_cfp.fisher.kfac_factors import kfac_kind
+from hf_cfp.fisher.module_kinds import layer_kind as kfac_kind
+from hf_cfp.geometry.kronecker import factors as kfac_factors
 
 
 def linear_weights(model):

@@ -8,8 +8,8 @@ from support.tiny import anchor_for, tiny_llama
 from transformers import TrainerControl, TrainerState
 
 from hf_cfp import CFPCallback, FisherAnchor, estimate_fisher
-from hf_cfp.anchor.lazy import LazyFisher
 from hf_cfp.errors import AnchorMismatchError
+from hf_cfp.geometry.diagonal.artifact import LazyFisher
 
 
 def test_callback_accepts_a_directory_and_keeps_f_in_the_files(tmp_path):

@@ -12,11 +12,11 @@ from support.tiny import tiny_llama
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.anchor.kfac import truncate_basis
 from hf_cfp.errors import CFPArgumentError
+from hf_cfp.geometry.kronecker.artifact import truncate_basis
+from hf_cfp.geometry.kronecker.state import balanced_owners
 from hf_cfp.names import FREE_DRIFT, PREDICTED_KL, SENSITIVE_DRIFT, TOTAL_DRIFT
 from hf_cfp.protection import CFPState
-from hf_cfp.protection.kronecker import balanced_owners
 
 
 def kfac_anchor(model, name="math", rank=None, seed=0):

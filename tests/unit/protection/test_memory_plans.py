@@ -9,8 +9,8 @@ from torch import nn
 
 from hf_cfp import FisherAnchor
 from hf_cfp.errors import CFPArgumentError
+from hf_cfp.geometry.diagonal.sparse import coordinate_threshold, mass_threshold
 from hf_cfp.protection import CFPState, MemoryPlan, describe_sparse
-from hf_cfp.protection.sparse import coordinate_threshold, mass_threshold
 
 
 def bf16_model(seed: int = 0) -> nn.Module:

@@ -35,15 +35,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+import hf_cfp.geometry.base as geometry_module
 import hf_cfp.protection.checkpoint as checkpoint
-import hf_cfp.protection.geometry as geometry_module
 import hf_cfp.protection.state as state_module
 from hf_cfp import CFPError, FisherAnchor
 from hf_cfp.fisher.per_sequence_grads import Use, accumulate
 from hf_cfp.fisher.scoring import add_squared_score
+from hf_cfp.geometry.binding import HeldRange
 from hf_cfp.ops import DriftView, drift_squares
 from hf_cfp.protection import CFPState, SavedTheta0, has_saved_theta0, save_theta0
-from hf_cfp.protection.binding import HeldRange
 
 # ---------------------------------------------------------------------------------------------
 # checkpoint: save_theta0 / SavedTheta0

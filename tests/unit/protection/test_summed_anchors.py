@@ -11,8 +11,8 @@ import torch
 from support.tiny import tiny_llama
 
 from hf_cfp import FisherAnchor, estimate_fisher
-from hf_cfp.anchor.kfac import dense_factors
 from hf_cfp.errors import AnchorValidationError, CFPArgumentError
+from hf_cfp.geometry.kronecker.artifact import dense_factors
 from hf_cfp.names import SENSITIVE_DRIFT, SUMMED_ITERATIONS
 from hf_cfp.protection import CFPState
 
