@@ -7,39 +7,24 @@ import copy
 
 import pytest
 import torch
+from support.anchors import small_estimate
 from support.tiny import tiny_llama
 from support.training import CrashAfterSave, adamw_loop, checkpointed_run, full_batch_rows, full_batch_trainer_args
 from transformers import Trainer
 
-from hf_cfp import CFP, CFPCallback, estimate_fisher
+from hf_cfp import CFP, CFPCallback
 from hf_cfp.geometry.kronecker.artifact import dense_factors
 from hf_cfp.names import SENSITIVE_DRIFT, SUMMED_ITERATIONS
 
 LAMS = [60.0, 20.0]
 
 
-def anchor(name, prompts, rank, seed):
-    return estimate_fisher(
-        tiny_llama(),
-        None,
-        prompts,
-        num_sequences=6,
-        max_new_tokens=4,
-        batch_size=3,
-        seed=seed,
-        structure="kfac",
-        kfac_rank=rank,
-        show_progress=False,
-        name=name,
-    )
-
-
 @pytest.fixture(scope="module")
 def anchor_dirs(tmp_path_factory):
     """math at rank 3 with tails, safety at full rank, on other prompts."""
     dirs = [tmp_path_factory.mktemp("math"), tmp_path_factory.mktemp("safety")]
-    anchor("math", [[1, 2, 3], [4, 5, 6]], 3, 0).save_pretrained(dirs[0])
-    anchor("safety", [[20, 21], [22, 23, 24]], None, 1).save_pretrained(dirs[1])
+    small_estimate(tiny_llama(), [[1, 2, 3], [4, 5, 6]], "math", rank=3, seed=0).save_pretrained(dirs[0])
+    small_estimate(tiny_llama(), [[20, 21], [22, 23, 24]], "safety", seed=1).save_pretrained(dirs[1])
     return [str(d) for d in dirs]
 
 

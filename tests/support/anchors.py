@@ -3,7 +3,7 @@ and an exact comparison of two anchors."""
 
 import torch
 
-from hf_cfp import FisherAnchor
+from hf_cfp import FisherAnchor, estimate_fisher
 
 
 def random_anchor(model, name="math", seed=1, zero_fraction=0.3):
@@ -15,6 +15,24 @@ def random_anchor(model, name="math", seed=1, zero_fraction=0.3):
         f[torch.rand(p.shape, generator=g) < zero_fraction] = 0.0
         fisher[n] = f
     return FisherAnchor(fisher, name=name)
+
+
+def small_estimate(model, prompts, name, structure="kfac", rank=None, seed=0):
+    """A tiny anchor estimated on `prompts` (6 sequences of 4 new tokens, batch 3; no tokenizer): `structure`,
+    `kfac_rank=rank`."""
+    return estimate_fisher(
+        model,
+        None,
+        prompts,
+        num_sequences=6,
+        max_new_tokens=4,
+        batch_size=3,
+        seed=seed,
+        structure=structure,
+        kfac_rank=rank,
+        show_progress=False,
+        name=name,
+    )
 
 
 def same_anchor(a, b):

@@ -88,8 +88,8 @@ class SummedTensors:
         """Weight i's pooled term (`pooled`), kept (float32 eigenvectors) while the ratios of the lams stay
         within 1e-3: s follows their sum."""
         lams = [lam for _, lam in penalty.factored]
-        if len(lams) == 1:
-            return penalty.factored[0]
+        if len(lams) == 1:  # one K-FAC term (beside diagonal ones): its own closed form
+            return penalty.preconditioner()
         total = sum(lams)
         key = tuple(round(lam / total, 3) for lam in lams)
         kept = self.pooled[i]

@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
+from support.anchors import small_estimate
 from support.tiny import tiny_llama
 
-from hf_cfp import FisherAnchor, estimate_fisher
+from hf_cfp import FisherAnchor
 from hf_cfp.errors import AnchorValidationError, CFPArgumentError
 from hf_cfp.geometry.kronecker.artifact import dense_factors
 from hf_cfp.names import SENSITIVE_DRIFT, SUMMED_ITERATIONS
@@ -23,19 +24,7 @@ def model_and_anchors(specs, seed=5):
     """A tiny Llama and one anchor per (name, structure, rank)."""
     model = tiny_llama(vocab_size=40, hidden_size=16, layers=1, seed=seed)
     anchors = [
-        estimate_fisher(
-            model,
-            None,
-            PROMPTS[name],
-            num_sequences=6,
-            max_new_tokens=4,
-            batch_size=3,
-            seed=k,
-            structure=structure,
-            kfac_rank=rank,
-            show_progress=False,
-            name=name,
-        )
+        small_estimate(model, PROMPTS[name], name, structure, rank, seed=k)
         for k, (name, structure, rank) in enumerate(specs)
     ]
     return model, anchors
