@@ -39,3 +39,15 @@ def check_anchor_directory(path: str) -> None:
             f"No anchor directory at {path!r}; give the directory written by `hf-cfp estimate --output` "
             "or `anchor.save_pretrained()` (`hf-cfp pull --output` saves one from the Hub)."
         )
+
+
+def checked_kfac_rank(args) -> int | None:
+    """`--kfac-rank` as `estimate_fisher`'s `kfac_rank`: the integer given, or None for `full` and when not given
+    (the caller tells those apart by `args.kfac_rank is None`).
+
+    Raises:
+        CFPArgumentError: `--kfac-rank` given with a `--structure` other than kfac.
+    """
+    if args.kfac_rank is not None and args.structure != "kfac":
+        raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
+    return args.kfac_rank if isinstance(args.kfac_rank, int) else None

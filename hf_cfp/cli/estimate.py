@@ -16,7 +16,7 @@ from ..fisher.estimate_checks import check_structure
 from ..fisher.sampling import Sampler
 from ..loading.models import load_causal_lm
 from ..loading.prompts import load_prompts
-from .checks import check_output_directory
+from .checks import check_output_directory, checked_kfac_rank
 from .model_source import check_model_source, model_placement
 
 
@@ -46,7 +46,7 @@ def run(args) -> None:
         num_samples_per_prompt=args.num_samples_per_prompt,
         scoring_tokens=args.scoring_tokens,
         structure=args.structure,
-        kfac_rank=args.kfac_rank,
+        kfac_rank=checked_kfac_rank(args),
     )
     if state.is_main_process:
         anchor.save_pretrained(args.output)
@@ -69,10 +69,8 @@ def _checked_prompts(args) -> list:
     except AnchorValidationError as error:  # a bad argument here (exit code 2), not a bad anchor
         raise CFPArgumentError(f"--name: {error}") from None
     Sampler(args.temperature, args.top_k, args.top_p)  # its own checks of the sampler settings
-    if args.kfac_rank is not None and args.structure != "kfac":
-        raise CFPArgumentError("--kfac-rank applies to --structure kfac; add --structure kfac, or drop --kfac-rank.")
     try:
-        check_structure(args.structure, args.kfac_rank, args.estimator)  # the rest of estimate_fisher's rule
+        check_structure(args.structure, checked_kfac_rank(args), args.estimator)  # the rest of estimate_fisher's rule
     except CFPArgumentError as error:
         raise CFPArgumentError(f"--structure: {error}") from None
     return load_prompts(args.prompts)

@@ -13,6 +13,7 @@ from ..loading.prompts import CALIBRATION_SETS
 from .failures import EXIT_USAGE
 
 ANCHOR_REFERENCE = "anchor directory, or Hub reference org/model[@revision][:subfolder]"
+FULL_RANK = "full"  # --kfac-rank full: every eigenpair (estimate_fisher's kfac_rank=None)
 DTYPES = ("float32", "bfloat16", "float16", "auto")  # loading.models.DTYPES (not imported: it imports torch)
 MODEL = "local model directory, .gguf file, smollm2-135m (the embedded model), or Hub id org/name[@revision]"
 
@@ -42,6 +43,16 @@ def _int_at_least(text: str, least: int) -> int:
     if value < least:
         raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {value}")
     return value
+
+
+def kfac_rank(text: str) -> int | str:
+    """argparse type: an integer >= 1, or `FULL_RANK` ("full": every eigenpair of each factor)."""
+    if text == FULL_RANK:
+        return FULL_RANK
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError as error:
+        raise argparse.ArgumentTypeError(f"{error} (or {FULL_RANK!r}: every eigenpair)") from None
 
 
 def positive_float(text: str) -> float:
@@ -99,11 +110,12 @@ def _add_demo(commands, debug) -> None:
         "--num-sequences", type=positive_int, default=None, help="calibration sequences (default 16; tiny 64)"
     )
     demo.add_argument("--max-new-tokens", type=positive_int, default=48)
-    demo.add_argument(
-        "--structure",
-        choices=tuple(STRUCTURES),
-        default="diagonal",
-        help="the math anchor's structure: diagonal F, or kfac (Kronecker factors A (x) G of each Linear weight)",
+    _add_structure_arguments(
+        demo,
+        structure="kfac",
+        rank_default="256: what the evidence recommends",
+        structure_help="the math anchor's geometry: kfac (Kronecker factors A (x) G of each Linear weight, diagonal "
+        "F elsewhere; the default), or diagonal F (cheaper, weaker)",
     )
     demo.add_argument(
         "--lam", type=non_negative_float, default=None, help="CFP strength (default 1 / p99 of the anchor's F)"
@@ -140,17 +152,30 @@ def _add_estimate(commands, debug) -> None:
     estimate.add_argument("--top-p", type=float, default=1.0, help="in (0, 1] (default 1.0: no truncation)")
     estimate.add_argument("--estimator", choices=("sequence", "token"), default="sequence")
     estimate.add_argument("--engine", choices=("batched", "loop"), default="batched")
-    estimate.add_argument(
-        "--structure",
-        choices=tuple(STRUCTURES),
-        default="diagonal",
-        help="kfac: Kronecker factors A (x) G for each Linear weight (the interactions inside a layer), diagonal F "
-        "elsewhere",
-    )
-    estimate.add_argument(
-        "--kfac-rank", type=positive_int, default=None, help="with --structure kfac: eigenpairs kept per factor"
+    _add_structure_arguments(
+        estimate,
+        structure="diagonal",
+        rank_default="full",
+        structure_help="kfac: Kronecker factors A (x) G for each Linear weight (the interactions inside a layer), "
+        "diagonal F elsewhere",
     )
     estimate.set_defaults(handler="estimate:run")
+
+
+def _add_structure_arguments(
+    command: argparse.ArgumentParser, structure: str, rank_default: str, structure_help: str
+) -> None:
+    """`--structure` (default `structure`) and `--kfac-rank` (estimate, demo). `--kfac-rank` is None when not given
+    (the command's own default, `rank_default` in its help), else an integer >= 1 or `FULL_RANK`."""
+    command.add_argument("--structure", choices=tuple(STRUCTURES), default=structure, help=structure_help)
+    command.add_argument(
+        "--kfac-rank",
+        type=kfac_rank,
+        default=None,
+        metavar="{R,full}",
+        help="with --structure kfac: the eigenpairs kept per factor, the rest of each factor at their mean (its "
+        f"tail); full: all of them (default {rank_default})",
+    )
 
 
 def _add_model_arguments(command: argparse.ArgumentParser) -> None:
