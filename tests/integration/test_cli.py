@@ -3,6 +3,7 @@ Hub (tests/support/hub_server.py)."""
 
 import json
 
+import pytest
 from support.anchors import same_anchor
 from support.tiny import anchor_for, tiny_llama
 
@@ -41,5 +42,25 @@ def test_demo_flags_reach_run_demo(monkeypatch):
     main(["demo", "--tiny", "--peft", "--steps", "3", "--learning-rate", "0.01", "--structure", "kfac"])
     main(["demo"])
     assert calls[0]["tiny"] and calls[0]["peft"] and calls[0]["steps"] == 3 and calls[0]["learning_rate"] == 0.01
-    assert calls[0]["structure"] == "kfac" and calls[1]["structure"] == "diagonal"
+    assert calls[0]["structure"] == "kfac" and calls[1]["structure"] == "kfac"  # the default: kfac (was diagonal)
+    assert "kfac_rank" not in calls[1]  # run_demo's own default rank (256, test_demo.py) applies
     assert not calls[1]["tiny"] and not calls[1]["peft"] and calls[1]["learning_rate"] is None
+
+
+def test_demo_structure_and_rank_flags_reach_run_demo(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr("hf_cfp.cli.demo.run_demo", lambda **kwargs: calls.append(kwargs))
+    main(["demo", "--structure", "diagonal"])
+    main(["demo", "--kfac-rank", "full"])
+    main(["demo", "--kfac-rank", "64"])
+    assert calls[0]["structure"] == "diagonal" and "kfac_rank" not in calls[0]
+    assert calls[1]["structure"] == "kfac" and calls[1]["kfac_rank"] is None  # full rank: every eigenpair
+    assert calls[2]["structure"] == "kfac" and calls[2]["kfac_rank"] == 64
+    for flags, message in (
+        (["--structure", "diagonal", "--kfac-rank", "64"], "--kfac-rank applies to --structure kfac"),
+        (["--kfac-rank", "0"], "--kfac-rank: must be an integer >= 1, got 0 (or 'full': every eigenpair)"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(["demo", *flags])
+        assert exited.value.code == 2 and message in capsys.readouterr().err
+    assert len(calls) == 3

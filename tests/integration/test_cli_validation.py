@@ -65,6 +65,11 @@ MISTAKES = {
     "unknown device": (["--device", "gpu"], "--device 'gpu': Expected one of cpu, cuda"),
     "kfac rank without kfac": (["--kfac-rank", "8"], "--kfac-rank applies to --structure kfac"),
     "kfac rank zero": (["--structure", "kfac", "--kfac-rank", "0"], "argument --kfac-rank: must be an integer >= 1"),
+    "kfac rank full without kfac": (["--kfac-rank", "full"], "--kfac-rank applies to --structure kfac"),
+    "kfac rank neither a number nor full": (
+        ["--structure", "kfac", "--kfac-rank", "all"],
+        "argument --kfac-rank: expected an integer >= 1, got 'all' (or 'full': every eigenpair)",
+    ),
     "unknown structure": (["--structure", "blocks"], "argument --structure: invalid choice: 'blocks'"),
     "kfac with the token estimator": (
         ["--structure", "kfac", "--estimator", "token"],
@@ -88,6 +93,30 @@ def test_estimate_with_right_arguments_reaches_the_loader(inputs, no_model_load)
     with pytest.raises(LoaderReached):
         main(estimate(inputs, "--prompts", str(inputs / "good.txt"), "--top-p", "1", "--top-k", "5"))
     assert no_model_load == [(str(inputs / "model"),)]
+
+
+RANKS = {  # flags -> estimate_fisher's structure and kfac_rank
+    (): ("diagonal", None),
+    ("--structure", "kfac"): ("kfac", None),
+    ("--structure", "kfac", "--kfac-rank", "full"): ("kfac", None),
+    ("--structure", "kfac", "--kfac-rank", "256"): ("kfac", 256),
+}
+
+
+@pytest.mark.parametrize("flags", RANKS)
+def test_structure_and_kfac_rank_reach_estimate_fisher(inputs, monkeypatch, flags):
+    received = []
+
+    def estimate_fisher(*args, **kwargs):
+        received.append((kwargs["structure"], kwargs["kfac_rank"]))
+        raise LoaderReached
+
+    monkeypatch.setattr("hf_cfp.cli.estimate.load_causal_lm", lambda *args, **kwargs: (None, None))
+    monkeypatch.setattr("hf_cfp.cli.estimate.estimate_fisher", estimate_fisher)
+    (inputs / "good.txt").write_text("2 + 2?\n")
+    with pytest.raises(LoaderReached):
+        main(estimate(inputs, "--prompts", str(inputs / "good.txt"), "--device", "cpu", *flags))
+    assert received == [RANKS[flags]]
 
 
 def test_cuda_without_a_gpu_is_refused_before_loading(inputs, no_model_load, capsys):

@@ -1,5 +1,7 @@
 """The tiny demo end to end (`run_demo(tiny=True)`, what `hf-cfp demo --tiny` runs): the protected
-arm's sensitive drift stays below the plain arm's, and the report and the plot are written. With
+arm's sensitive drift stays below the plain arm's, and the report and the plot are written. By default
+the math anchor is K-FAC at rank 256 with tails (the tiny model's factors are all narrower, so each keeps
+every eigenpair); `structure="diagonal"` gives a diagonal anchor, `kfac_rank=None` full rank. With
 `peft=True` (`hf-cfp demo --tiny --peft`) the arms train LoRA adapters and the logged drift is that of
 the merged model against the base weights, checked here against PEFT's own merge_and_unload(). Both print
 the capability lines (kl_to_base, answer log-likelihood, exact match on held-out prompts), checked against
@@ -62,9 +64,14 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     assert result["ratio"] == cfp[-1][KEY] ** 2 / plain[-1][KEY] ** 2 - 1 < -0.5
     anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
     assert result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
+    assert anchor.structure == "kfac" and anchor.metadata["kfac_rank"] == 256  # the default geometry
+    assert_every_factor_whole(anchor)  # 256 is wider than every tiny factor: all eigenpairs, no tail
     assert (tmp_path / "drift.png").stat().st_size > 10_000
     captured = capsys.readouterr()
     out = captured.out
+    assert "Geometry: K-FAC rank 256 + tails (the default)" in out and "docs/reports/evidence.md" in out
+    assert "Estimating the math anchor (K-FAC, rank 256 + tails)" in out
+    assert "15 Linear weights as A (x) G, 0 of their 30 factors truncated" in out
     assert "DtFD_cfp / DtFD_plain - 1" in out
     starts = re.findall(r"^\[(\d)/5\] (?!done)", out, re.M)
     assert starts == ["1", "2", "3", "4", "5"] and len(re.findall(r"^\[\d/5\] done in \d+ s$", out, re.M)) == 5
@@ -73,15 +80,46 @@ def test_tiny_demo_protects_the_capability_and_reports(tmp_path, capsys):
     check_capability_lines(result, out)
 
 
+def assert_every_factor_whole(anchor: FisherAnchor) -> None:
+    """Every K-FAC factor of `anchor` keeps all its eigenpairs and has no tail."""
+    for name, basis in anchor.kfac.items():
+        assert basis.a_values.numel() == basis.a_vectors.shape[0] <= 256, name
+        assert basis.g_values.numel() == basis.g_vectors.shape[0] <= 256, name
+        assert not basis.tailed, name
+    assert anchor.metadata["kfac"]["truncated"] == 0
+
+
 def test_tiny_demo_with_a_kfac_anchor_protects_its_quadratic(tmp_path):
     pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
     result = run_demo(
-        tiny=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path), structure="kfac"
+        tiny=True,
+        steps=6,
+        num_sequences=16,
+        max_new_tokens=6,
+        output_dir=str(tmp_path),
+        structure="kfac",
+        kfac_rank=None,  # full rank (the demo's default before it took rank 256)
     )
     anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
     assert anchor.structure == "kfac" and result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
+    assert anchor.metadata["kfac_rank"] is None
     assert all(c[KEY] < p[KEY] for p, c in zip(result["plain"], result["cfp"], strict=True))
     assert result["ratio"] < -0.5
+
+
+def test_tiny_demo_with_structure_diagonal_keeps_a_diagonal_anchor(tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    result = run_demo(
+        tiny=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path), structure="diagonal"
+    )
+    anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
+    assert anchor.structure == "diagonal" and not anchor.kfac and "kfac_rank" not in anchor.metadata
+    assert result["lam"] == 1.0 / anchor.metadata["statistics"]["p99"]
+    assert all(c[KEY] < p[KEY] for p, c in zip(result["plain"], result["cfp"], strict=True))
+    out = capsys.readouterr().out
+    assert "Geometry: diagonal F (--structure diagonal): cheaper and weaker" in out
+    assert "K-FAC rank 256 + tails, is what the evidence recommends (docs/reports/evidence.md)" in out
+    assert "Estimating the math anchor (diagonal)" in out and "Linear weights as A (x) G" not in out
 
 
 def merged_drift(model: "PeftModel", fisher: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -101,7 +139,15 @@ def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_pat
     needs("peft")
     from peft import PeftModel
 
-    result = run_demo(tiny=True, peft=True, steps=6, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
+    result = run_demo(
+        tiny=True,
+        peft=True,
+        steps=6,
+        num_sequences=16,
+        max_new_tokens=6,
+        output_dir=str(tmp_path),
+        structure="diagonal",  # the drift reference below is the diagonal F's (the default became K-FAC)
+    )
     plain, cfp = result["plain"], result["cfp"]
     assert [r["step"] for r in plain] == [r["step"] for r in cfp] == list(range(1, 7))
     assert all(c[KEY] < p[KEY] for p, c in zip(plain, cfp, strict=True))
@@ -123,3 +169,14 @@ def test_tiny_peft_demo_protects_in_base_space_and_logs_the_merged_drift(tmp_pat
     assert "Drift of the merged model (base + LoRA) from the base weights" in out
     assert "residual cfp" in out and "DtFD_cfp / DtFD_plain - 1" in out
     check_capability_lines(result, out)
+
+
+def test_tiny_peft_demo_protects_with_the_default_kfac_anchor(tmp_path):
+    pytest.importorskip("matplotlib", reason="the demo's plot (drift.png) needs matplotlib (the `demo` extra)")
+    needs("peft")
+    result = run_demo(tiny=True, peft=True, steps=4, num_sequences=16, max_new_tokens=6, output_dir=str(tmp_path))
+    anchor = FisherAnchor.from_pretrained(tmp_path / "anchor-math")
+    assert anchor.structure == "kfac" and anchor.metadata["kfac_rank"] == 256
+    plain, cfp = result["plain"], result["cfp"]
+    assert all(c[KEY] < p[KEY] for p, c in zip(plain, cfp, strict=True))
+    assert all(0 < r["cfp/math/adapter_residual"] < 1 for r in cfp)
