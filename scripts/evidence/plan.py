@@ -206,6 +206,9 @@ class Plan:
     kfac_shares: tuple[int, ...] = ()
     truncation_strengths: tuple[float, ...] = ()  # c of the mean-tail truncations only, below table_strength
     kfac_default: str | None = None
+    # domains whose K-FAC anchors are pooled into one (`<d1><d2>_kfac`, e.g. `mathsafety_kfac`: the anchor of their
+    # calibration sequences together), with the default's truncation of it (`mathsafety_kfac_t256`)
+    kfac_union: tuple[str, ...] = ()
     # RL arms (none by default): RLOO on the pirate-style prompts, one optimizer per reward
     rl_rewards: tuple[str, ...] = ()
     rl_kl_betas: tuple[float, ...] = ()
@@ -233,7 +236,8 @@ class Plan:
         (`<domain>`) and K-FAC (`<domain>_kfac`), `anchor_sequences` each, seed 0; the quality sweep's diagonal
         math anchors (`quality_anchors`); the K-FAC size sweep's (`math_kfac_n<n>`) math anchors and the parts
         pooled into them; the truncated K-FAC anchors (`truncation_labels`: `math_kfac_r<r>`, `math_kfac_t<r>`,
-        `math_kfac_s<pct>`, the default's three); and `isotropic` (of the diagonal math)."""
+        `math_kfac_s<pct>`, the default's three, and its truncation of the union); the union of `kfac_union`
+        (`<d1><d2>_kfac`, pooled from their K-FAC anchors); and `isotropic` (of the diagonal math)."""
         n = self.anchor_sequences
         specs = {d: AnchorSpec("estimated", d, n) for d in DOMAINS}
         specs |= {f"{d}_kfac": AnchorSpec("estimated", d, n, structure="kfac") for d in DOMAINS}
@@ -241,6 +245,9 @@ class Plan:
             specs |= self._sized("math", name, size, estimator)
         for size in self.kfac_sizes:
             specs |= self._sized(KFAC_MONITOR, f"{KFAC_MONITOR}_n{size}", size, "sequence", "kfac")
+        if self.kfac_union:
+            parts = tuple(f"{d}_kfac" for d in self.kfac_union)
+            specs[f"{''.join(self.kfac_union)}_kfac"] = AnchorSpec("pooled", structure="kfac", parts=parts)
         specs |= {kfac_anchor_name(label): truncation_spec(label) for label in self.truncation_labels()}
         specs["isotropic"] = AnchorSpec("isotropic", source="math")
         return specs
@@ -253,7 +260,8 @@ class Plan:
         labels += [f"math_s{pct}" for pct in self.kfac_shares]
         if self.kfac_default:
             variant = self.kfac_default.partition("_")[2]
-            labels += [f"{domain}_{variant}" for domain in DOMAINS]
+            unions = ["".join(self.kfac_union)] if self.kfac_union else []
+            labels += [f"{domain}_{variant}" for domain in (*DOMAINS, *unions)]
         return list(dict.fromkeys(labels))
 
     def _sized(self, first: str, name: str, size: int, estimator: str, structure: str = "diagonal") -> dict:

@@ -59,10 +59,12 @@ REWARDS: dict[str, Callable[..., Any]] = {"pirate": pirate, "brevity": brevity}
 
 
 @torch.no_grad()
-def sampled_rewards(model, tokenizer, prompts: list[str], samples: int, max_new_tokens: int, seed: int = 0) -> dict:
-    """{reward name: mean over prompts x samples completions} for every reward in `REWARDS` (module docstring):
-    prompt p's j-th completion is response p * samples + j, drawn in batches of 8, decoded without special
-    tokens (the ending EOS dropped), as TRL hands completions to its reward functions."""
+def sampled_completions(
+    model, tokenizer, prompts: list[str], samples: int, max_new_tokens: int, seed: int = 0
+) -> list[str]:
+    """`samples` completions per prompt (module docstring): prompt p's j-th completion is text p * samples + j,
+    drawn in batches of 8, decoded without special tokens (the ending EOS dropped), as TRL hands completions to
+    its reward functions."""
     prompt_ids = [ids for ids in to_token_ids(prompts, tokenizer) for _ in range(samples)]
     eos_ids = resolve_eos_ids(model, tokenizer)
     pad_id = resolve_pad_id(tokenizer, eos_ids)
@@ -78,4 +80,11 @@ def sampled_rewards(model, tokenizer, prompts: list[str], samples: int, max_new_
             texts += tokenizer.batch_decode(drawn, skip_special_tokens=True)
     finally:
         model.train(was_training)
+    return texts
+
+
+def sampled_rewards(model, tokenizer, prompts: list[str], samples: int, max_new_tokens: int, seed: int = 0) -> dict:
+    """{reward name: mean over prompts x samples completions} for every reward in `REWARDS`, of
+    `sampled_completions`."""
+    texts = sampled_completions(model, tokenizer, prompts, samples, max_new_tokens, seed)
     return {name: sum(reward(texts)) / len(texts) for name, reward in REWARDS.items()}

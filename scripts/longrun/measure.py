@@ -6,8 +6,16 @@ standard error (a table's 95% interval is 1.96 of it):
   run (`kl_estimate`'s stderr over prompts); `<d>/kl_items` the responses scored;
 - task progress on the held-out prompts (never trained on): `task/sft_gain` = mean over items of the per-token
   log-likelihood gain of the pirate answer, `task/dpo_margin` = mean of (l_theta(c) - l_0(c)) - (l_theta(r) -
-  l_0(r)) (pirate answer c, plain r, sequence log-probs), `task/dpo_accuracy` the share of positive margins, each
-  with `_stderr` (sample sd / sqrt(n)) and `task/items`;
+  l_0(r)) (pirate answer c, plain r, sequence log-probs), its two parts `task/chosen_gain` = mean l_theta(c) -
+  l_0(c) and `task/rejected_gain` = mean l_theta(r) - l_0(r), `task/dpo_accuracy` the share of positive margins,
+  each with `_stderr` (sample sd / sqrt(n)) and `task/items`;
+- with `Plan.behaviour`, the task judged on behaviour (SFT and DPO along the run, every arm at its end): on the
+  held-out prompts, `behaviour_samples` completions at temperature 1 (seeded by the arm's seed) and the greedy
+  one, at most `task_new_tokens` tokens each, scored by the pirate-lexicon reward GRPO trains on
+  (`evidence.rewards.pirate`); `behaviour/pirate_gain` = mean over prompts of (the prompt's mean reward over its
+  completions - the base model's, same prompts, seed and counts), with `_stderr` over prompts, its parts
+  `behaviour/pirate_sampled_gain` and `behaviour/pirate_greedy_gain`, `behaviour/pirate_reward` (the model's own
+  mean) and `behaviour/items` (prompts);
 - at the end only: `math/exact_match` on `math_items` generated problems (`data.math_problems`, greedy,
   `math_new_tokens`), its binomial stderr sqrt(p (1 - p) / n) and `math/items`; the code and safety reference
   log-likelihoods and `safety/refusal_rate` of the bundled held-out sets (`evidence`'s measures); for GRPO arms
@@ -23,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from evidence.rewards import sampled_rewards
+from evidence.rewards import pirate, sampled_completions, sampled_rewards
 
 from hf_cfp.evaluation import (
     BaseResponses,
@@ -41,6 +49,7 @@ from .data import math_problems
 from .plan import Plan, grpo_reward
 
 DOMAINS = ("math", "code", "safety")
+BEHAVIOUR = "behaviour/pirate"  # the behavioural measure's metric prefix (module docstring)
 MATH_EXAMPLES = 8  # greedy answers kept per row (`Probe.math_examples`), to read what exact match scored
 
 
@@ -61,6 +70,27 @@ def first_responses(base: BaseResponses) -> BaseResponses:
         base_log_probs=base.base_log_probs[::m].clone(),
         num_samples_per_prompt=1,
     )
+
+
+@torch.no_grad()
+def pirate_scores(model, tokenizer, prompts: list[str], samples: int, new_tokens: int, seed: int) -> torch.Tensor:
+    """The pirate reward of each prompt's completions, float64 [prompts, samples + 1]: `samples` sampled at
+    temperature 1 (`sampled_completions`, `seed`), then the greedy one, at most `new_tokens` tokens each."""
+    sampled = pirate(sampled_completions(model, tokenizer, prompts, samples, new_tokens, seed))
+    answers = greedy_answers(model, tokenizer, prompts, new_tokens)
+    greedy = [tokenizer.decode(ids, skip_special_tokens=True) for ids in answers]
+    scores = torch.tensor(sampled, dtype=torch.float64).reshape(len(prompts), samples)
+    return torch.cat([scores, torch.tensor(pirate(greedy), dtype=torch.float64)[:, None]], dim=1)
+
+
+def behaviour_gains(scores: torch.Tensor, base: torch.Tensor) -> dict[str, float]:
+    """The module docstring's `behaviour/` numbers from a model's and the base model's `pirate_scores`."""
+    row: dict[str, float] = {f"{BEHAVIOUR}_reward": float(scores.mean()), "behaviour/items": scores.shape[0]}
+    parts = {"": slice(None), "_sampled": slice(0, -1), "_greedy": slice(-1, None)}
+    for name, columns in parts.items():
+        gains = scores[:, columns].mean(1) - base[:, columns].mean(1)
+        row[f"{BEHAVIOUR}{name}_gain"], row[f"{BEHAVIOUR}{name}_gain_stderr"] = mean_stderr(gains)
+    return row
 
 
 def base_references(base_model, tokenizer, plan: Plan, path: Path) -> dict[str, BaseResponses]:
@@ -95,6 +125,16 @@ class Probe:
         self.base_task = self._task_log_probs(base_model)
         self.reward_prompts = [item["prompt"] for item in heldout[: plan.grpo_eval_prompts]]
         self.base_rewards = self._rewards(base_model) if plan.grpo_rewards else {}
+        self.base_model = base_model
+        self._base_behaviour: dict[int, torch.Tensor] = {}  # the base's `pirate_scores` by seed, when first asked
+
+    def behaviour(self, model, seed: int) -> dict[str, float]:
+        """The `behaviour/` numbers of `model` (module docstring), sampled with `seed` (the base's too)."""
+        plan, prompts = self.plan, [item["prompt"] for item in self.heldout]
+        args = (self.tokenizer, prompts, plan.behaviour_samples, plan.task_new_tokens, seed)
+        if seed not in self._base_behaviour:
+            self._base_behaviour[seed] = pirate_scores(self.base_model, *args)
+        return behaviour_gains(pirate_scores(model, *args), self._base_behaviour[seed])
 
     def _task_log_probs(self, model) -> dict[str, torch.Tensor]:
         prompts = [item["prompt"] for item in self.heldout]
@@ -115,6 +155,8 @@ class Probe:
         row: dict[str, float] = {"task/items": len(self.heldout)}
         row["task/sft_gain"], row["task/sft_gain_stderr"] = mean_stderr(task["per_token"] - base["per_token"])
         row["task/dpo_margin"], row["task/dpo_margin_stderr"] = mean_stderr(margins)
+        for part in ("chosen", "rejected"):
+            row[f"task/{part}_gain"], row[f"task/{part}_gain_stderr"] = mean_stderr(task[part] - base[part])
         row["task/dpo_accuracy"], row["task/dpo_accuracy_stderr"] = mean_stderr((margins > 0).double())
         return row
 
@@ -126,13 +168,19 @@ class Probe:
             row[f"{domain}/kl_items"] = len(base.responses)
         return row
 
-    def point(self, model) -> dict[str, float]:
-        """The curve's numbers: every capability's KL on the first responses, and task progress."""
-        return {**self._kl(model, self.curve_references), **self._task(model)}
+    def point(self, model, optimizer: str, seed: int) -> dict[str, float]:
+        """The curve's numbers: every capability's KL on the first responses, and task progress (with
+        `Plan.behaviour`, on SFT and DPO, its behaviour too)."""
+        row = {**self._kl(model, self.curve_references), **self._task(model)}
+        if self.plan.behaviour and not grpo_reward(optimizer):
+            row |= self.behaviour(model, seed)
+        return row
 
-    def final(self, model, optimizer: str) -> dict[str, float]:
+    def final(self, model, optimizer: str, seed: int = 0) -> dict[str, float]:
         """The module docstring's numbers at the end of a run (GRPO arms also their rewards)."""
         row = {**self._kl(model, self.references), **self._task(model)}
+        if self.plan.behaviour:
+            row |= self.behaviour(model, seed)
         prompts, answers = zip(*self.math, strict=True)
         accuracy = greedy_exact_match(model, self.tokenizer, list(prompts), list(answers), self.plan.math_new_tokens)
         row["math/exact_match"], row["math/items"] = accuracy, len(self.math)

@@ -12,6 +12,11 @@ capability; `brevity`, which overlaps them). Methods and their strength:
   lam = c / p99(F_math); `cfp`: diagonal CFP [math], lam = c / p99(F_math); `kfac`: CFP-KFAC with the anchor
   `math` (full rank) or the default truncation (`Plan.default_kfac`, `math_t256`), lam = c / p99 of the full anchor
   (c: `Plan.cfp_strengths_of`, on DPO its own `dpo_cfp_strengths` where given);
+- `kfac_summed` (with `Plan.summed`): CFP-KFAC protecting with several anchors at once, the exact proximal map of
+  their summed penalty; the label `math+safety_t256` (`summed_labels`) names the math and safety anchors of that
+  truncation, each lam_k = c / p99 of its own full anchor. One anchor for both, estimated on the math and safety
+  calibration sequences together, is a `kfac` arm with the union's label (`mathsafety_t256`, the evidence plan's
+  `kfac_union`);
 - `wiseft`: no training, theta0 + a (theta_T - theta0) of the unregularized run of the same optimizer and seed,
   a = strength; `lora`: LoRA r = `lora_rank` on the attention and MLP projections (0); `lora_kfac`: the same with
   CFP-KFAC [default truncation] at c = strength.
@@ -19,9 +24,17 @@ capability; `brevity`, which overlaps them). Methods and their strength:
 Order (`Plan.arms`): per optimizer of `optimizers`, the unregularized run, its WiSE-FT points, and every method at
 its first strength (the table rows); then the GRPO table rows of the first seed (pirate first); then the other
 strengths; then the other GRPO seeds and rewards. An interrupted run keeps the comparison at one strength first.
+
+With `Plan.behaviour` (issue 50, `Plan.behaviour_arms`) the order answers the behavioural questions first: SFT and
+DPO seed 0 for the unregularized run, the KL penalty, LwF, the isotropic pull and both CFP-KFAC arms at their first
+strength; then several capabilities protected at once under SFT and GRPO with the brevity reward (seeds 0 and 1,
+c of `kfac_strengths`): the union anchor, math alone, and each seed's unregularized run; then the second seed of
+SFT and DPO, every method at both strengths; then the rest (seed 0's other arms and strengths, a third GRPO seed
+for the arms of `third_seed_arms`); last the summed-penalty arms (`summed`), whose correction costs about 1,000
+times one anchor's on this CPU (docs/reports/performance.md, run S).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from evidence.plan import EMBEDDED as EVIDENCE_EMBEDDED
 from evidence.plan import TINY as EVIDENCE_TINY
@@ -30,7 +43,14 @@ from evidence.plan import Plan as EvidencePlan
 
 SUPERVISED = ("sft", "dpo")
 GRPO_PREFIX = "grpo-"
-TRAINED_METHODS = ("unregularized", "kl", "lwf", "isotropic", "cfp", "kfac", "lora", "lora_kfac")
+TRAINED_METHODS = ("unregularized", "kl", "lwf", "isotropic", "cfp", "kfac", "kfac_summed", "lora", "lora_kfac")
+BEHAVIOUR_FIRST = ("unregularized", "kl", "lwf", "isotropic", "kfac")  # seed 0's first block (module docstring)
+
+
+def summed_labels(label: str) -> list[str]:
+    """The K-FAC labels a `kfac_summed` label protects with: `math+safety_t256` -> [`math_t256`, `safety_t256`]."""
+    domains, _, variant = label.partition("_")
+    return [f"{domain}_{variant}" if variant else domain for domain in domains.split("+")]
 
 
 def grpo_reward(optimizer: str) -> str | None:
@@ -80,6 +100,12 @@ class Plan:
     grpo_completion_tokens: int = 24
     grpo_eval_prompts: int = 32  # held-out prompts for the trained model's reward, grpo_eval_samples each
     grpo_eval_samples: int = 2
+    behaviour: bool = False  # the behavioural measure and order (module docstring)
+    behaviour_samples: int = 2  # sampled completions per held-out prompt, besides the greedy one
+    several_optimizers: tuple[str, ...] = ()  # where several capabilities are protected at once
+    summed: str | None = None  # the kfac_summed label, e.g. math+safety_t256
+    union: str | None = None  # the union anchor's kfac label, e.g. mathsafety_t256
+    third_seed_arms: tuple[tuple[str, str, float, str | None], ...] = ()  # (optimizer, method, c, anchor), seed 2
 
     @property
     def optimizers(self) -> tuple[str, ...]:
@@ -139,6 +165,8 @@ class Plan:
 
     def arms(self) -> list[Arm]:
         """Every arm, in the module docstring's order."""
+        if self.behaviour:
+            return self.behaviour_arms()
         grpo = [o for o in self.optimizers if grpo_reward(o)]
         main, rest = grpo[:1], grpo[1:]
         first_seed, *other_seeds = self.grpo_seeds
@@ -151,6 +179,33 @@ class Plan:
         arms += [arm for o in rest for s in self.grpo_seeds for first in both for arm in self.runs(o, s, first)]
         return arms
 
+    def several_runs(self, seed: int) -> list[Arm]:
+        """Several capabilities at once (module docstring), without the summed arms: per optimizer of
+        `several_optimizers`, the unregularized run, then at every c of `kfac_strengths` the union anchor and math
+        alone."""
+        arms = []
+        for optimizer in self.several_optimizers:
+            arms.append(Arm(optimizer, "unregularized", 0.0, seed))
+            for c in self.kfac_strengths:
+                arms += [Arm(optimizer, "kfac", c, seed, label) for label in (self.union, self.default_kfac) if label]
+        return arms
+
+    def behaviour_arms(self) -> list[Arm]:
+        """Every arm of the behavioural plan, in the module docstring's order (each once)."""
+        first = [arm for o in SUPERVISED for arm in self.runs(o, 0, True) if arm.method in BEHAVIOUR_FIRST]
+        several = [arm for seed in self.seeds for arm in self.several_runs(seed)]
+        second = [arm for o in SUPERVISED for s in self.seeds[1:] for f in (True, False) for arm in self.runs(o, s, f)]
+        rest = [arm for o in SUPERVISED for f in (True, False) for arm in self.runs(o, self.seeds[0], f)]
+        rest += [Arm(o, method, c, 2, anchor) for o, method, c, anchor in self.third_seed_arms]
+        summed = [
+            Arm(o, "kfac_summed", c, seed, self.summed)
+            for seed in self.seeds
+            for o in self.several_optimizers
+            for c in self.kfac_strengths
+            if self.summed
+        ]
+        return list(dict.fromkeys([*first, *several, *second, *rest, *summed]))
+
     def anchors_of(self, arm: Arm) -> set[str]:
         """The anchors `arm` trains with: the math diagonal one (every lam comes from an anchor's p99), the
         protecting anchor, and for K-FAC arms the full anchor its lam comes from."""
@@ -158,6 +213,9 @@ class Plan:
             return {"math", "isotropic"} if arm.method == "isotropic" else {"math"}
         if arm.method in ("kfac", "lora_kfac") and arm.anchor:
             return {kfac_anchor_name(arm.anchor), kfac_lam_anchor(arm.anchor)}
+        if arm.method == "kfac_summed" and arm.anchor:
+            labels = summed_labels(arm.anchor)
+            return {kfac_anchor_name(label) for label in labels} | {kfac_lam_anchor(label) for label in labels}
         return set()
 
 
@@ -230,4 +288,33 @@ EMBEDDED = Plan(
     lora_rank=16,
     lora_learning_rate=1e-4,
     grpo_learning_rate=1e-4,  # the rate at which the pirate reward rises (scripts/grpo_pilot.py; evidence report)
+)
+
+# The behavioural run (issue 50): the same set-up, data, steps and strengths as EMBEDDED, fixed before its first
+# result; its output goes to its own directory (`scripts/long_run.py --behaviour`).
+SEVERAL_OPTIMIZERS = ("sft", "grpo-brevity")
+EMBEDDED_BEHAVIOUR = replace(
+    EMBEDDED,
+    anchors=replace(EVIDENCE_EMBEDDED, kfac_union=("math", "safety")),
+    seeds=(0, 1),
+    behaviour=True,
+    union="mathsafety_t256",
+    third_seed_arms=(
+        ("grpo-pirate", "unregularized", 0.0, None),
+        ("grpo-pirate", "kfac", 10.0, "math"),
+        ("grpo-pirate", "kfac", 10.0, "math_t256"),
+        ("grpo-pirate", "isotropic", 1.0, "math"),
+    ),
+    several_optimizers=SEVERAL_OPTIMIZERS,
+    summed="math+safety_t256",
+)
+TINY_BEHAVIOUR = replace(
+    TINY,
+    anchors=replace(EVIDENCE_TINY, kfac_union=("math", "safety")),
+    seeds=(0, 1),
+    behaviour=True,
+    grpo_rewards=("pirate", "brevity"),
+    union="mathsafety_t2",  # the tiny evidence plan's default truncation, math_t2
+    several_optimizers=SEVERAL_OPTIMIZERS,
+    summed="math+safety_t2",
 )

@@ -23,9 +23,11 @@
 
 import math
 from collections import Counter, defaultdict
+from dataclasses import replace
 from pathlib import Path
 
-from .plan import Plan, grpo_reward
+from .measure import BEHAVIOUR
+from .plan import Plan, grpo_reward, summed_labels
 
 # Shares of the unregularized run's task progress at which methods are compared; 20% because under DPO most
 # methods stop well short of half the unregularized margin.
@@ -55,16 +57,24 @@ MISSING = "—"
 LINE_STYLES = ("-", "--", ":")  # the first seed or strength of a method, the second, the rest
 
 
-def task_key(optimizer: str) -> str:
-    """The metric of task progress: SFT the held-out per-token gain, DPO the held-out margin, GRPO the reward gain."""
+def task_key(optimizer: str, plan: Plan) -> str:
+    """The metric of task progress: GRPO the reward gain; SFT and DPO the behavioural gain with `Plan.behaviour`
+    (`measure.BEHAVIOUR`), else the held-out per-token gain (SFT) and the held-out margin (DPO)."""
     reward = grpo_reward(optimizer)
-    return f"task/{reward}_gain" if reward else {"sft": "task/sft_gain", "dpo": "task/dpo_margin"}[optimizer]
+    if reward:
+        return f"task/{reward}_gain"
+    return f"{BEHAVIOUR}_gain" if plan.behaviour else {"sft": "task/sft_gain", "dpo": "task/dpo_margin"}[optimizer]
 
 
 def method_label(arm: dict, plan: Plan) -> str:
     """'CFP-KFAC full rank', 'CFP-KFAC rank 256 + tail', 'LoRA + CFP-KFAC ...', or `LABELS`."""
     anchor = arm.get("anchor") or ""
-    kfac = "CFP-KFAC full rank" if anchor == "math" else f"CFP-KFAC {anchor.partition('_')[2]}"
+    domain, _, variant = anchor.partition("_")
+    kfac = "CFP-KFAC full rank" if anchor == "math" else f"CFP-KFAC {variant}"
+    if arm["method"] == "kfac_summed":
+        return f"{kfac}, {' + '.join(label.partition('_')[0] for label in summed_labels(anchor))} summed"
+    if domain not in ("", "math"):
+        kfac += f", one {domain} anchor"
     if arm["method"] == "kfac":
         return kfac
     if arm["method"] == "lora_kfac":
@@ -88,7 +98,7 @@ def _rows_of(rows: list[dict], optimizer: str) -> list[dict]:
 
 def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     """The final table of one optimizer (module docstring)."""
-    task = task_key(optimizer)
+    task = task_key(optimizer, plan)
     header = (
         f"| arm | strength | seed | steps | {task} | math KL | code KL | safety KL | math exact match | refusal rate "
         "| s/step |\n|---|---|---|---|---|---|---|---|---|---|---|"
@@ -115,11 +125,11 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
     return "\n".join(lines)
 
 
-def run_path(row: dict, optimizer: str, kl: str) -> list[tuple[float, float]]:
+def run_path(row: dict, optimizer: str, kl: str, plan: Plan) -> list[tuple[float, float]]:
     """(task progress, KL) along a run, ordered by progress: the base model at step 0, (0, 0), then every measured
     point of its curve, its progress as `task_curve` reads it at that step (GRPO: the logged training reward less
     the base's)."""
-    progress = dict(task_curve(row, optimizer))
+    progress = dict(task_curve(row, optimizer, plan))
     return sorted([(0.0, 0.0), *((progress[p["step"]], p[kl]) for p in row.get("curve", []) if p["step"] in progress)])
 
 
@@ -143,7 +153,7 @@ def frontiers(
     the base model at (0, 0), where its curve measures the task (SFT and DPO; GRPO's curve logs the training reward
     instead)."""
     kl = f"{capability}/kl"
-    task = task_key(optimizer)
+    task = task_key(optimizer, plan)
     own = [r for r in _rows_of(rows, optimizer) if r["arm"]["seed"] == seed and task in r["metrics"]]
     unregularized = [r for r in own if r["arm"]["method"] == "unregularized"]
     curves: dict[str, list[tuple[float, float]]] = defaultdict(list)
@@ -159,7 +169,7 @@ def frontiers(
                 (0.0, 0.0),
                 *lower_envelope([*points, *(lora if label.startswith("LoRA") else unregularized_end)]),
             ]
-    stopped = run_path(unregularized[0], optimizer, kl) if unregularized and not grpo_reward(optimizer) else []
+    stopped = run_path(unregularized[0], optimizer, kl, plan) if unregularized and not grpo_reward(optimizer) else []
     if len(stopped) > 1:
         curves[EARLY_STOPPING] = stopped
     return dict(curves)
@@ -194,7 +204,7 @@ def measured_reach(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> d
     """{method label: the most task progress any of its own arms reached on `seed`}. A matched value beyond it rests
     on the frontier's straight line to the method's zero strength (the unregularized run; for LoRA + CFP-KFAC, LoRA
     alone), across a stretch no arm of the method measured."""
-    task = task_key(optimizer)
+    task = task_key(optimizer, plan)
     reach: dict[str, float] = {}
     for row in _rows_of(rows, optimizer):
         if row["arm"]["seed"] == seed and row["arm"]["method"] != "unregularized" and task in row["metrics"]:
@@ -207,7 +217,7 @@ def matched_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) -> st
     """Each method's KL of every capability at the `MATCHED` shares of the unregularized run's task progress
     (module docstring), `BEYOND`-marked past its `measured_reach`, and per capability and share the method with the
     least KL and how it compares (`least_kl_line`)."""
-    task = task_key(optimizer)
+    task = task_key(optimizer, plan)
     unregularized = [
         r for r in _rows_of(rows, optimizer) if r["arm"]["method"] == "unregularized" and r["arm"]["seed"] == seed
     ]
@@ -255,9 +265,9 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
         return ""
     reference = unregularized[0]
     full = (
-        task_curve(reference, optimizer)[-1][1]
+        task_curve(reference, optimizer, plan)[-1][1]
         if grpo_reward(optimizer)
-        else reference["metrics"][task_key(optimizer)]
+        else reference["metrics"][task_key(optimizer, plan)]
     )
     targets = [share * full for share in MATCHED]
     heads = [
@@ -267,7 +277,7 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     for row in own:
         if row["arm"]["method"] == "unregularized":
             continue
-        values = [kl_at(run_path(row, optimizer, f"{d}/kl"), t) for d in CAPABILITIES for t in targets]
+        values = [kl_at(run_path(row, optimizer, f"{d}/kl", plan), t) for d in CAPABILITIES for t in targets]
         cells = [method_label(row["arm"], plan), f"{row['arm']['strength']:g}"]
         cells += [f"{v:.3g}" if v is not None else "n/a" for v in values]
         lines.append("| " + " | ".join(cells) + " |")
@@ -282,23 +292,33 @@ def compared_seeds(rows: list[dict], optimizer: str) -> list[int]:
 
 def markdown_report(rows: list[dict], plan: Plan) -> str:
     """Every table, per optimizer that has rows: the final table, then the matched comparisons of each seed with
-    an arm beside its unregularized run."""
+    an arm beside its unregularized run. With `Plan.behaviour`, SFT and DPO judged on behaviour first, then on
+    the held-out log-likelihood measures (`proxy_view`) as a second view."""
     parts = ["# Long run", ""]
-    for optimizer in plan.optimizers:
-        own = _rows_of(rows, optimizer)
-        if not own:
-            continue
-        parts += [f"## {optimizer.upper()}", "", final_table(rows, plan, optimizer), ""]
-        for seed in compared_seeds(rows, optimizer):
-            matched = matched_table(rows, plan, optimizer, seed)
-            parts += [f"### At matched task progress (seed {seed})", "", matched, ""]
-            along = trajectory_table(rows, plan, optimizer, seed)
-            if along:
-                parts += [f"### At matched task progress along each run (seed {seed})", "", along, ""]
+    views = [(plan, "")]
+    if plan.behaviour:
+        views = [(plan, " (task judged on behaviour)"), (proxy_view(plan), " (task on the held-out log-likelihoods)")]
+    for view, title in views:
+        for optimizer in plan.optimizers:
+            own = _rows_of(rows, optimizer)
+            if not own or (view is not plan and grpo_reward(optimizer)):
+                continue
+            parts += [f"## {optimizer.upper()}{title}", "", final_table(rows, view, optimizer), ""]
+            for seed in compared_seeds(rows, optimizer):
+                matched = matched_table(rows, view, optimizer, seed)
+                parts += [f"### At matched task progress (seed {seed})", "", matched, ""]
+                along = trajectory_table(rows, view, optimizer, seed)
+                if along:
+                    parts += [f"### At matched task progress along each run (seed {seed})", "", along, ""]
     return "\n".join(parts)
 
 
-def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
+def proxy_view(plan: Plan) -> Plan:
+    """`plan` with SFT and DPO progress read on the held-out log-likelihood measures instead of behaviour."""
+    return replace(plan, behaviour=False)
+
+
+def task_curve(row: dict, optimizer: str, plan: Plan) -> list[tuple[int, float]]:
     """(step, task progress) along a run: the held-out measure of SFT and DPO at each measured step; for GRPO the
     mean reward of the trainer's own samples, as TRL logs it at each logging step (the held-out reward is measured
     at the end only), minus the base model's held-out reward r0 = `task/<reward>_reward - task/<reward>_gain`, so
@@ -307,8 +327,8 @@ def task_curve(row: dict, optimizer: str) -> list[tuple[int, float]]:
         metrics = row["metrics"]
         base = metrics[f"task/{reward}_reward"] - metrics[f"task/{reward}_gain"]
         return [(entry["step"], entry["reward"] - base) for entry in row.get("history", []) if "reward" in entry]
-    key = "task/sft_gain" if optimizer == "sft" else "task/dpo_margin"
-    return [(point["step"], point[key]) for point in row.get("curve", [])]
+    key = task_key(optimizer, plan)
+    return [(point["step"], point[key]) for point in row.get("curve", []) if key in point]
 
 
 def strength_rank(arm: dict, plan: Plan) -> int:
@@ -326,11 +346,12 @@ def method_colours(labels: list[str]) -> dict[str, str]:
     return {label: palette[i % len(palette)] for i, label in enumerate(dict.fromkeys(labels))}
 
 
-def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
+def plot_report(rows: list[dict], plan: Plan, out: Path, suffix: str = "") -> list[Path]:
     """`frontier.png` (per optimizer and capability: task progress against its KL, one curve per method and seed,
     the first seed solid, the second dashed) and `curves.png` (per optimizer and seed: math KL and task progress at
     every measured step of its arms, a method's first strength solid and its second dashed); a method has one
-    colour in both. Only seeds with an arm beside the unregularized run are drawn. Returns the paths."""
+    colour in both. Only seeds with an arm beside the unregularized run are drawn; `suffix` ends the file names
+    (`frontier<suffix>.png`). Returns the paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -342,7 +363,7 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
     drawn = {(o, s, c): frontiers(rows, plan, o, s, c) for o, own in seeds.items() for s in own for c in CAPABILITIES}
     labels = [label for curves in drawn.values() for label in curves]
     colours = method_colours([*labels, *(method_label(r["arm"], plan) for r in rows if "arm" in r)])
-    paths = [out / "frontier.png", out / "curves.png"]
+    paths = [out / f"frontier{suffix}.png", out / f"curves{suffix}.png"]
     figure, axes = plt.subplots(3, len(seeds), figsize=(5 * len(seeds), 12), squeeze=False, layout="constrained")
     for column, (optimizer, own) in enumerate(seeds.items()):
         for axis, capability in zip(axes[:, column], CAPABILITIES, strict=True):
@@ -351,7 +372,7 @@ def plot_report(rows: list[dict], plan: Plan, out: Path) -> list[Path]:
                     xy = ([k for _, k in points], [g for g, _ in points])
                     style = {"linestyle": LINE_STYLES[min(rank, 2)], "marker": "o" if rank == 0 else "x"}
                     axis.plot(*xy, label=label, color=colours[label], **style)
-            axis.set(xlabel=f"held-out {capability} KL (nats, {SYMLOG})", ylabel=task_key(optimizer))
+            axis.set(xlabel=f"held-out {capability} KL (nats, {SYMLOG})", ylabel=task_key(optimizer, plan))
             axis.set_title(f"{optimizer.upper()}, seed{'s' * (len(own) > 1)} {', '.join(map(str, own))}")
             axis.set_xscale("symlog", linthresh=LINEAR_BELOW)
     legend = "solid: first seed, dashed: second"
@@ -376,7 +397,7 @@ def _plot_curves(rows: list[dict], plan: Plan, panels: list[tuple[str, int]], co
             style = {"color": colours[label], "linestyle": LINE_STYLES[min(strength_rank(row["arm"], plan), 2)]}
             steps = [p["step"] for p in row["curve"]]
             axes[0][column].plot(steps, [p["math/kl"] for p in row["curve"]], label=label, **style)
-            axes[1][column].plot(*zip(*task_curve(row, optimizer), strict=True), label=label, **style)
+            axes[1][column].plot(*zip(*task_curve(row, optimizer, plan), strict=True), label=label, **style)
         axes[0][column].set(title=f"{optimizer.upper()}, seed {seed}", ylabel=f"held-out math KL\n(nats, {SYMLOG})")
         axes[0][column].set_yscale("symlog", linthresh=LINEAR_BELOW)
         progress = (

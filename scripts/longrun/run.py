@@ -99,7 +99,7 @@ class LongRun:
             if arm.method == "unregularized":
                 self.weights_path(arm).parent.mkdir(exist_ok=True)
                 torch.save(trained_weights(done.model), self.weights_path(arm))
-        metrics = {**self.probe.final(done.model, arm.optimizer), **done.timing}
+        metrics = {**self.probe.final(done.model, arm.optimizer, arm.seed), **done.timing}
         logged = [{k: entry[k] for k in HISTORY_KEYS if k in entry} for entry in done.history if "loss" in entry]
         steps = 0 if arm.method == "wiseft" else self.plan.steps_of(arm.optimizer)
         return {

@@ -24,7 +24,7 @@ from evidence.controls import KLPenaltySFTTrainer
 from evidence.plan import Arm, kfac_anchor_name, kfac_lam_anchor
 from evidence.rewards import REWARDS
 from evidence.training import lam_of, saved_reference
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
 from transformers.trainer_utils import get_last_checkpoint
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
@@ -35,20 +35,20 @@ from hf_cfp.loading.examples import sft_examples
 
 from .baselines import Distillation, lora_model, with_distillation
 from .measure import Probe
-from .plan import Plan, grpo_reward
+from .plan import Plan, grpo_reward, summed_labels
 
 CURVE_STATE = "longrun_curve.json"  # in every checkpoint: CurveCallback's points and seconds so far
 
 
 class CurveCallback(TrainerCallback):
-    """Measures `probe.point(model)` after the optimizer steps `steps` (after every other callback's correction:
-    list it last) into `points` as {"step": s, ...}. Seconds, added up over every segment of a resumed arm:
+    """Measures `probe.point(model, ...)` of `arm` after the optimizer steps `steps` (after every other callback's
+    correction: list it last) into `points` as {"step": s, ...}. Seconds, added up over every segment of a resumed arm:
     `elapsed()` from the start of training, `overhead` of it spent measuring and checkpointing (from the end of a
     step's callbacks to the end of the save's). Saves its state into every checkpoint (`CURVE_STATE`); `resume`
     reads it back."""
 
-    def __init__(self, probe: Probe, steps: list[int]):
-        self.probe, self.steps = probe, set(steps)
+    def __init__(self, probe: Probe, arm: Arm, steps: list[int]):
+        self.probe, self.arm, self.steps = probe, arm, set(steps)
         self.points: list[dict] = []
         self.overhead = self.earlier = 0.0  # earlier: the elapsed seconds of the segments before a resume
         self._started = self._stepped = time.perf_counter()
@@ -66,7 +66,9 @@ class CurveCallback(TrainerCallback):
     def on_step_end(self, args, state, control, model=None, **kwargs):
         start = time.perf_counter()
         if state.global_step in self.steps:
-            self.points.append({"step": state.global_step, **self.probe.point(model)})
+            self.points.append(
+                {"step": state.global_step, **self.probe.point(model, self.arm.optimizer, self.arm.seed)}
+            )
         self._stepped = time.perf_counter()
         self.overhead += self._stepped - start
 
@@ -77,7 +79,13 @@ class CurveCallback(TrainerCallback):
 
 
 def protection(arm: Arm, anchors: dict[str, FisherAnchor]) -> list[CFPCallback]:
-    """The arm's `CFPCallback` (none for methods that act through the loss or not at all)."""
+    """The arm's `CFPCallback` (none for methods that act through the loss or not at all); `kfac_summed`: one
+    callback protecting with every anchor of its label (`summed_labels`), each lam = c / p99 of its full anchor."""
+    if arm.method == "kfac_summed":
+        assert arm.anchor is not None, arm
+        labels = summed_labels(arm.anchor)
+        lams = [lam_of(anchors[kfac_lam_anchor(label)], arm.strength) for label in labels]
+        return [CFPCallback([anchors[kfac_anchor_name(label)] for label in labels], lam=lams)]
     if arm.method in ("kfac", "lora_kfac"):
         assert arm.anchor is not None, arm
         lam = lam_of(anchors[kfac_lam_anchor(arm.anchor)], arm.strength)
@@ -204,6 +212,7 @@ def prepared_trainer(arm: Arm, factory: TrainerFactory, anchors: dict, callbacks
     `callbacks` (after the correction), no console printer."""
     model = copy.deepcopy(factory.base_model).train()
     if arm.method.startswith("lora"):
+        set_seed(arm.seed)  # the adapters' initialization follows the arm's seed
         model = lora_model(model, factory.plan.lora_rank)
     trainer = factory.build(arm, model, [*protection(arm, anchors), *callbacks], output_dir)
     trainer.remove_callback(PrinterCallback)
@@ -225,7 +234,7 @@ class TrainedArm:
 
 def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path) -> TrainedArm:
     """Train the arm with its checkpoints in `output_dir` (its own), resuming from the last one found there."""
-    curve = CurveCallback(probe, factory.plan.measured_steps(arm.optimizer))
+    curve = CurveCallback(probe, arm, factory.plan.measured_steps(arm.optimizer))
     trainer = prepared_trainer(arm, factory, anchors, [curve], output_dir)
     checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
     if checkpoint is not None:

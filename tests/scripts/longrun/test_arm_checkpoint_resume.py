@@ -57,7 +57,7 @@ def test_an_interrupted_arm_resumes_from_its_last_checkpoint_and_ends_as_the_who
     whole = train_arm(arm, run.factory, anchors, run.probe, tmp_path / "whole")
 
     cut_at, cut = measured[1], tmp_path / "cut"
-    callbacks = [CurveCallback(run.probe, measured), InterruptAfter(cut_at)]
+    callbacks = [CurveCallback(run.probe, arm, measured), InterruptAfter(cut_at)]
     with pytest.raises(Interrupted):
         prepared_trainer(arm, run.factory, anchors, callbacks, cut).train()
     assert sorted(p.name for p in cut.glob("checkpoint-*")) == [f"checkpoint-{cut_at}"]  # save_total_limit=1

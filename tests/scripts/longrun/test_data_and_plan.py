@@ -83,3 +83,44 @@ def test_runs_are_measured_at_evenly_spaced_steps_ending_at_the_last(plan):
         steps = plan.measured_steps(optimizer)
         assert steps[-1] == plan.steps_of(optimizer) and len(steps) == plan.points
     assert EMBEDDED.measured_steps("sft") == [32, 64, 96, 128, 160, 192, 224, 256]
+
+
+def test_the_behavioural_plan_answers_seed_zero_then_several_capabilities_then_second_seeds():
+    from longrun.plan import EMBEDDED_BEHAVIOUR, summed_labels
+
+    arms = EMBEDDED_BEHAVIOUR.arms()
+    keys = [arm.key for arm in arms]
+    assert len(keys) == len(set(keys))
+    first = keys[:12]
+    assert first[:6] == [
+        "sft/unregularized@0/seed0",
+        "sft/kl@0.3/seed0",
+        "sft/isotropic[math]@1/seed0",
+        "sft/kfac[math]@1/seed0",
+        "sft/kfac[math_t256]@1/seed0",
+        "sft/lwf[math]@1/seed0",
+    ]
+    assert [k.replace("dpo/", "sft/").replace("@0.5/", "@0.3/") for k in first[6:]] == first[:6]
+    several = keys[12:30]
+    for seed in (0, 1):
+        for optimizer in ("sft", "grpo-brevity"):
+            for c in (1, 10):
+                for label in ("mathsafety_t256", "math_t256"):
+                    assert f"{optimizer}/kfac[{label}]@{c:g}/seed{seed}" in keys[:30]
+            assert f"{optimizer}/unregularized@0/seed{seed}" in keys[:30]
+    assert all("seed1" not in k or k.startswith(("sft/", "grpo-brevity/")) for k in several)
+    # every SFT and DPO method at both strengths on seed 1 comes before seed 0's other strengths
+    assert keys.index("dpo/lwf[math]@10/seed1") < keys.index("sft/kl@3/seed0")
+    assert [a.method for a in arms[-8:]] == ["kfac_summed"] * 8
+    assert summed_labels("math+safety_t256") == ["math_t256", "safety_t256"]
+    summed = arms[-1]
+    assert EMBEDDED_BEHAVIOUR.anchors_of(summed) == {
+        "math_kfac_t256",
+        "safety_kfac_t256",
+        "math_kfac",
+        "safety_kfac",
+    }
+    specs = EMBEDDED_BEHAVIOUR.anchors.anchor_specs()
+    assert specs["mathsafety_kfac"].parts == ("math_kfac", "safety_kfac")
+    assert specs["mathsafety_kfac_t256"].source == "mathsafety_kfac"
+    assert specs["mathsafety_kfac_t256"].rank == 256

@@ -43,10 +43,13 @@ def cells(values, beyond=()):
 
 def test_task_curves_read_the_held_out_points_or_the_logged_reward():
     sft = {"curve": [{"step": 32, "task/sft_gain": 1.0}, {"step": 64, "task/sft_gain": 1.2}]}
-    assert task_curve(sft, "sft") == [(32, 1.0), (64, 1.2)]
+    assert task_curve(sft, "sft", EMBEDDED) == [(32, 1.0), (64, 1.2)]
     history = [{"step": 8, "loss": 0.1, "reward": 0.02}, {"step": 16, "loss": 0.1}, {"step": 16, "reward": 0.05}]
     pirate = {"task/pirate_reward": 0.05, "task/pirate_gain": 0.05}
-    assert task_curve({"curve": [], "history": history, "metrics": pirate}, "grpo-pirate") == [(8, 0.02), (16, 0.05)]
+    assert task_curve({"curve": [], "history": history, "metrics": pirate}, "grpo-pirate", EMBEDDED) == [
+        (8, 0.02),
+        (16, 0.05),
+    ]
 
 
 def test_a_grpo_curve_counts_progress_from_the_base_models_reward():
@@ -54,7 +57,7 @@ def test_a_grpo_curve_counts_progress_from_the_base_models_reward():
     reward climbs to -0.6 and -0.25 has progressed 0.4 and 0.75, not -0.6 and -0.25."""
     history = [{"step": 8, "reward": -0.6}, {"step": 16, "reward": -0.25}]
     brevity = {"task/brevity_reward": -0.25, "task/brevity_gain": 0.75}
-    curve = task_curve({"curve": [], "history": history, "metrics": brevity}, "grpo-brevity")
+    curve = task_curve({"curve": [], "history": history, "metrics": brevity}, "grpo-brevity", EMBEDDED)
     assert curve == [(8, pytest.approx(0.4)), (16, pytest.approx(0.75))]
 
 
