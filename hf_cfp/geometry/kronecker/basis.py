@@ -136,7 +136,7 @@ class KroneckerBasis:
     def rotate(self, delta: torch.Tensor) -> torch.Tensor:
         """U_G^T Delta U_A (partial over the rows held here) in the eigenvectors' dtype, float32 (or float64)."""
         d = delta.to(self.a_vectors.dtype)
-        return _wide(self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors))
+        return widened(self.g_vectors.transpose(-2, -1) @ (d @ self.a_vectors))
 
     def project(self, delta: torch.Tensor) -> "Projection":
         """Delta's coordinates in the blocks (module docstring), partial sums over the rows held here."""
@@ -144,14 +144,14 @@ class KroneckerBasis:
             return Projection(self.rotate(delta))
         d = delta.to(self.a_vectors.dtype)
         columns = d @ self.a_vectors  # M = D U_A, the rows held here
-        kept = _wide(self.g_vectors.transpose(-2, -1) @ columns)
-        rows = _wide(self.g_vectors.transpose(-2, -1) @ d)  # N = U_G^T D
-        total = torch.linalg.vector_norm(_wide(delta), dim=(-2, -1)).double().square()  # faster than dtype=
-        norms = torch.cat([_wide(columns).square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
-        return Projection(kept, rows, _wide(columns), norms)
+        kept = widened(self.g_vectors.transpose(-2, -1) @ columns)
+        rows = widened(self.g_vectors.transpose(-2, -1) @ d)  # N = U_G^T D
+        total = torch.linalg.vector_norm(widened(delta), dim=(-2, -1)).double().square()  # faster than dtype=
+        norms = torch.cat([widened(columns).square().sum(-2, dtype=torch.float64), total[..., None]], dim=-1)
+        return Projection(kept, rows, widened(columns), norms)
 
 
-def _wide(t: torch.Tensor) -> torch.Tensor:
+def widened(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float64 else t.float()  # the projections' dtype: float32, float64 kept
 
 

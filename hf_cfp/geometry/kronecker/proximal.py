@@ -126,16 +126,26 @@ def kfac_drift_squares(
     reduce: Reduce = no_reduce,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The drift of K-FAC weights (their displacements D = theta - theta0, the rows held here) in their blocks of
-    eigen-directions, as float64 sums on the CPU:
+    eigen-directions (`projection_drift_squares` of their projections, completed by one `reduce`)."""
+    return projection_drift_squares(displacements, bases, projected(displacements, bases, reduce), threshold)
+
+
+def projection_drift_squares(
+    displacements: Sequence[torch.Tensor],
+    bases: Sequence[KroneckerBasis],
+    projections: Sequence[Projection],
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drift of K-FAC weights from their displacements D (what is held here) and their complete projections,
+    as float64 sums on the CPU:
 
     (complete [sum e s, -(sum of s over e > threshold)], local [sum D^2])
 
     over the blocks' eigenvalues e and squared coordinates s (`KroneckerBasis.block_weights`,
     `Projection.squares`). The first pair is complete on every process (from the reduced projections); the local
-    sum runs over the rows held here and must be added across processes. The free drift^2 over these weights, the
+    sum runs over what is held here and must be added across processes. The free drift^2 over these weights, the
     squared coordinates whose eigenvalue is <= threshold, is then complete[1] + sum D^2: the blocks split
     |D|^2, and the coordinates outside a basis without a tail have eigenvalue 0."""
-    projections = projected(displacements, bases, reduce)
     sums = []  # summed on the device, moved to the CPU once
     with torch.no_grad():
         for delta, basis, projection in zip(displacements, bases, projections, strict=True):
