@@ -156,6 +156,9 @@ class Tracked(Protocol):
     def sharded(self) -> bool: ...
 
     @property
+    def held(self) -> Any: ...  # `binding.HeldRange`: the elements of the full parameter held here
+
+    @property
     def fisher(self) -> dict[str, torch.Tensor]: ...
 
     @property

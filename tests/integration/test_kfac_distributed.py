@@ -4,7 +4,8 @@ One launch of `tests/workers/kfac_distributed_worker.py`. The anchor estimated b
 factor sums all-reduced) equals the one-process anchor; the parameters trained under DDP and FSDP2 equal a
 one-process run of the same global batch (atol 1e-5: only the gradient's float summation order differs, as for
 diagonal anchors in test_distributed.py), while the K-FAC correction's own effect is far larger; the logged
-metrics are the same on both processes and equal the one-process ones. FSDP1 (flat pieces) is refused.
+metrics are the same on both processes and equal the one-process ones; so do FSDP1's (use_orig_params True and
+False), whose flat pieces cut rows. Two summed anchors on FSDP1's pieces are refused.
 Communication per step under FSDP2: one all-reduce of the rotated blocks (r_G x r_A floats per weight) for the
 correction, one more at a logging step.
 """
@@ -134,7 +135,19 @@ def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, anchors, suffix)
     check_equal_to_one_process(ranks, f"fsdp2{suffix}", trainable(model), single_logs, trainable(plain))
 
 
-def test_fsdp1_flat_pieces_are_refused_with_what_to_do(ranks):
+@pytest.mark.parametrize("mode", ["fsdp1", "fsdp1flat"])
+@pytest.mark.parametrize("suffix", ["", "_tailed"])
+def test_fsdp1_corrects_flat_pieces_that_cut_rows_and_equals_one_process(ranks, anchors, mode, suffix):
+    cut = [r[f"{mode}{suffix}_cut"] for r in ranks]
+    assert any(cut), "no piece cut a row: the test would not exercise the reduce of M"
+    model = make_model()
+    single_logs = loop_run(model, make_kfac_callback(anchors[suffix]), make_rows())
+    plain = make_model()
+    loop_run(plain, None, make_rows())
+    check_equal_to_one_process(ranks, f"{mode}{suffix}", trainable(model), single_logs, trainable(plain))
+
+
+def test_fsdp1_with_summed_anchors_is_refused_with_what_to_do(ranks):
     for r in ranks:
-        kind, message = r["fsdp1_refusal"]
+        kind, message = r["fsdp1_summed_refusal"]
         assert kind == "CFPArgumentError" and "flat piece" in message and "FSDP2" in message

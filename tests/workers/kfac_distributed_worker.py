@@ -9,7 +9,9 @@ and `<safety>` (rank 3, other prompts) protecting together (suffix `_summed`: th
 - trains the tiny Llama under DDP (`transformers.Trainer`, the global batch split over the processes) and under
   FSDP2 (`fully_shard` per decoder layer and at the root, a plain loop calling the callback's hooks), protected
   by the K-FAC anchor and monitored by a diagonal one (`support.distributed.make_kfac_callback`);
-- binds the K-FAC anchor on the model wrapped by FSDP1 (use_orig_params=True), where CFP must refuse.
+- trains it under FSDP1 (one unit for the whole model, use_orig_params True and False: the halves of its flat
+  parameter meet inside a row of layer 1's q_proj, and most weights are held whole by one process, empty by the
+  other) in the same plain loop, protected by the one-anchor K-FAC anchors; with two summed anchors CFP refuses.
 
 Each process saves what it saw to `<out>/rank<r>.pt`.
 """
@@ -53,14 +55,14 @@ def main(out, anchor, tailed, safety):
     sketched = estimate_kfac_anchor(make_model(), rank=3)
     results["sketched"] = {n: sketched.kfac_factors(n) for n in sketched.kfac_names}
 
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapped = FullyShardedDataParallel(make_model(), use_orig_params=True, device_id=torch.device("cpu"))
+    for suffix, directory in (("", anchor), ("_tailed", tailed)):
+        for mode, use_orig_params in (("fsdp1", True), ("fsdp1flat", False)):
+            results.update(fsdp1_run(directory, rank, world, f"{mode}{suffix}", use_orig_params))
     try:
-        loop_run(wrapped, make_kfac_callback(anchor), make_rows()[rank::world])
-        results["fsdp1_refusal"] = None
+        fsdp1_run([tailed, safety], rank, world, "fsdp1_summed", True)
+        results["fsdp1_summed_refusal"] = None
     except Exception as error:  # the refusal under test
-        results["fsdp1_refusal"] = (type(error).__name__, str(error))
+        results["fsdp1_summed_refusal"] = (type(error).__name__, str(error))
     torch.save(results, f"{out}/rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -83,6 +85,31 @@ def fsdp2_run(anchor, rank: int, world: int, suffix: str) -> dict:
         f"fsdp2{suffix}_sharded": [t.name for t in callback.protection.tensors if t.sharded and t.kfac],
         f"fsdp2{suffix}_summed": [t.name for t in callback.protection.summed.tensors],
     }
+
+
+def fsdp1_run(anchor, rank: int, world: int, mode: str, use_orig_params: bool) -> dict:
+    """The tiny Llama under FSDP1 (one unit for the whole model) in a plain loop, protected by `anchor`:
+    its logs, its full parameters after the run, and the K-FAC weights held as pieces that cut a row."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from hf_cfp.names import canonical_name
+
+    model = FullyShardedDataParallel(
+        make_model(),
+        device_id=torch.device("cpu"),
+        sync_module_states=False,
+        use_orig_params=use_orig_params,
+    )
+    callback = make_kfac_callback(anchor)
+    logs = loop_run(model, callback, make_rows()[rank::world])
+    with FullyShardedDataParallel.summon_full_params(model):
+        params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    cut = [
+        t.name
+        for t in callback.protection.tensors
+        if t.kfac and t.held.start % t.kfac["math"].a_vectors.shape[0] and t.held.stop > t.held.start
+    ]
+    return {f"{mode}_logs": logs, f"{mode}_params": params, f"{mode}_cut": cut}
 
 
 if __name__ == "__main__":

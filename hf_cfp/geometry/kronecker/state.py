@@ -11,6 +11,8 @@ all-reduce of the batch's partial sums (r_G x r_A floats per weight, and with a 
 collective per batch, per correction and per metrics call). Its drift sums come,
 like the diagonal ones, as float64 [1 + 2V] vectors in the metric order of `names.drift_keys`: the rotated sums are
 complete on every process (replicated), the sum of Delta^2 of sharded rows is added across processes by the caller.
+A weight held as a flat piece (FSDP1, DeepSpeed ZeRO-3) is corrected one weight at a time on the rows its piece
+touches (`pieces`): one all-reduce per weight and projection, of r_G r_A + r_G in + out r_A + 1 floats.
 """
 
 from collections.abc import Mapping, Sequence
@@ -22,6 +24,7 @@ from ...parallel import all_reduce_sum_, process_rank_and_count
 from ..base import Adapted, Tracked, View
 from .artifact import stored_parts
 from .basis import KroneckerBasis, Projection, projected
+from .pieces import PieceRows, piece_drift_squares, project_piece, pull_piece_
 from .proximal import kfac_budget_terms, kfac_drift_squares, pull_
 
 BATCH = 8  # weights of one shape rotated together: batched products (on a GPU, far fewer kernel launches)
@@ -90,6 +93,10 @@ class _Factored:
         """The projection of theta - theta0 of one batch now (`basis.Projection`, n stacked), complete."""
         return projected([batch.displacements()], [batch.basis], self.reduce)[0]
 
+    def proposals(self) -> list[Projection]:
+        """`rotated` of every batch."""
+        return [self.rotated(b) for b in self.batches]
+
     @torch.no_grad()
     def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
         """Every weight pulled in place from its batch's projected proposal (`basis.pull_`;
@@ -113,6 +120,66 @@ class _Factored:
             found = kfac_drift_squares([b.displacements()], [b.basis], threshold, self.reduce)
             complete, local = complete + found[0], local + found[1]
         return complete, local
+
+
+class _Piece:
+    """One weight held as a flat piece, a batch of one: its basis (U_G's rows for the rows the piece touches)."""
+
+    def __init__(self, anchor: str, tensor: Tracked):
+        self.tensors, self.basis = [tensor], tensor.kfac[anchor]
+        in_dim = self.basis.a_vectors.shape[-2]
+        self.piece, self.out_dim = PieceRows(tensor.held.start, tensor.held.stop, in_dim), tensor.held.numel // in_dim
+
+    @torch.no_grad()
+    def displacement(self) -> torch.Tensor:
+        """theta - theta0 of the piece, laid into its rows (`pieces.PieceRows.laid_out`)."""
+        t = self.tensors[0]
+        return self.piece.laid_out(t.local() - t.theta0, self.basis.a_vectors.dtype)
+
+
+class _Pieces:
+    """One anchor's K-FAC weights held as flat pieces (FSDP1, ZeRO-3), every process going through the same weights
+    in the same order (an empty piece takes part in each reduce with zeros)."""
+
+    sharded, split = True, False
+
+    def __init__(self, anchor: str, tensors: list[Tracked]):
+        self.anchor = anchor
+        self.batches = [_Piece(anchor, t) for t in tensors]
+
+    def rotated(self, batch: _Piece) -> Projection:
+        """The complete projection of the weight's displacement now (`pieces.project_piece`, one all-reduce)."""
+        return project_piece(batch.basis, batch.displacement(), batch.piece, batch.out_dim, all_reduce_sum_)
+
+    def proposals(self) -> list[Projection]:
+        """`rotated` of every weight."""
+        return [self.rotated(b) for b in self.batches]
+
+    @torch.no_grad()
+    def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
+        """Every piece pulled in place (`pieces.pull_piece_`), projected here one weight at a time unless given."""
+        for i, batch in enumerate(self.batches):
+            t = batch.tensors[0]
+            projection = rotated[i] if rotated is not None else self.rotated(batch)
+            pull_piece_(t.local(), t.theta0, batch.basis, projection, batch.piece, lam)
+
+    @torch.no_grad()
+    def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(complete, local) `pieces.piece_drift_squares` over every weight."""
+        b = self.batches
+        return piece_drift_squares(
+            [x.displacement() for x in b],
+            [x.basis for x in b],
+            [x.piece for x in b],
+            [x.out_dim for x in b],
+            threshold,
+            all_reduce_sum_,
+        )
+
+
+def is_flat_piece(t: Tracked) -> bool:
+    """Whether this process holds `t` as a flat piece (FSDP1, ZeRO-3): a 1-D run of the weight's elements."""
+    return t.sharded and t.local().dim() == 1
 
 
 def _flops(batch: _Batch) -> int:
@@ -147,11 +214,16 @@ class KroneckerTensors:
         self.order = list(views)
         solved = {id(t) for t in summed}
         own = {name: [t for t in view.kronecker if id(t) not in solved] for name, view in views.items()}
-        self.groups = [
-            _Factored(name, [t for t in tensors if t.sharded == sharded], sharded)
+        self.groups: list[_Factored | _Pieces] = [
+            _Factored(name, [t for t in tensors if t.sharded == sharded and not is_flat_piece(t)], sharded)
             for name, tensors in own.items()
             for sharded in (False, True)
-            if any(t.sharded == sharded for t in tensors)
+            if any(t.sharded == sharded and not is_flat_piece(t) for t in tensors)
+        ]
+        self.groups += [
+            _Pieces(name, pieces)
+            for name, tensors in own.items()
+            if (pieces := [t for t in tensors if is_flat_piece(t)])
         ]
         self.thresholds = {name: view.threshold for name, view in views.items()}
         self.protecting = list(protecting)
@@ -160,7 +232,7 @@ class KroneckerTensors:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
-    def protected(self) -> list[tuple[int, _Factored]]:
+    def protected(self) -> list[tuple[int, "_Factored | _Pieces"]]:
         return [(self.protecting.index(g.anchor), g) for g in self.groups if g.anchor in self.protecting]
 
     def _versions(self) -> tuple[int, ...]:
@@ -172,7 +244,7 @@ class KroneckerTensors:
         weight, and with a tail (out + in) r more)."""
         versions = self._versions()
         if self._proposal is None or self._proposal[0] != versions:
-            self._proposal = (versions, [[g.rotated(b) for b in g.batches] for _, g in self.protected()])
+            self._proposal = (versions, [g.proposals() for _, g in self.protected()])
         return self._proposal[1]
 
     def correct(self, lams: Sequence[float]) -> None:
@@ -217,7 +289,7 @@ class KroneckerTensors:
         coordinate_weights`; of the whole weight), a weight at a time, computed when read (for the pull profile)."""
         return _Strengths(
             [
-                (t.kfac[group.anchor], tuple(t.oriented(t.param).shape), float(lams[k]))
+                (t.kfac[group.anchor], _weight_shape(t, t.kfac[group.anchor]), float(lams[k]))
                 for k, group in self.protected()
                 for b in group.batches
                 for t in b.tensors
@@ -228,6 +300,12 @@ class KroneckerTensors:
         """(the eigenbases CFP keeps for these weights, nothing offloaded)."""
         bases = [b.basis for g in self.groups for b in g.batches]
         return [t for b in bases for t in stored_parts(b).values()], []
+
+
+def _weight_shape(t: Tracked, basis: KroneckerBasis) -> tuple[int, int]:
+    """(out, in) of the whole K-FAC weight, however this process holds it."""
+    in_dim = basis.a_vectors.shape[-2]
+    return t.held.numel // in_dim, in_dim
 
 
 class _Strengths(Sequence[torch.Tensor]):

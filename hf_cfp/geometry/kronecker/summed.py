@@ -24,18 +24,31 @@ from .artifact import stored_parts
 from .basis import KroneckerBasis, no_reduce
 from .pooled import pooled_term
 from .proximal import kfac_drift_squares
-from .state import balanced_owners
+from .state import balanced_owners, is_flat_piece
 from .summed_solve import MAX_ITERATIONS, TOLERANCE, SummedPenalty, solve_summed
 
 
 def summed_tensors(tracked: Sequence[Tracked], protecting: Sequence[str]) -> list[Tracked]:
-    """The tracked tensors a protecting K-FAC anchor factors and at least one other protecting anchor covers."""
-    return [
+    """The tracked tensors a protecting K-FAC anchor factors and at least one other protecting anchor covers.
+
+    Raises:
+        CFPArgumentError: such a tensor held as a flat piece (FSDP1, DeepSpeed ZeRO).
+    """
+    several = [
         t
         for t in tracked
         if any(name in t.kfac for name in protecting)
         and sum(name in t.kfac or name in t.fisher for name in protecting) > 1
     ]
+    pieces = [t.name for t in several if is_flat_piece(t)]
+    if pieces:
+        raise CFPArgumentError(
+            f"Several protecting anchors {list(protecting)} cover {pieces[0]!r}, a K-FAC weight held as a flat piece "
+            "(FSDP1 or DeepSpeed ZeRO): their summed penalty is solved on whole weights or row shards only. Train "
+            "with DDP or FSDP2 (fully_shard), or protect with one anchor (estimated on the capabilities' prompts "
+            "together) and pass the others as monitor=."
+        )
+    return several
 
 
 def _wide(basis: KroneckerBasis) -> KroneckerBasis:
