@@ -59,10 +59,15 @@ def zero_optimizer(optimizer):
     return None
 
 
+def is_zero3(zero) -> bool:
+    """Whether the ZeRO optimizer `zero` (`zero_optimizer`) is ZeRO-3's."""
+    return hasattr(zero, "fp32_partitioned_groups_flat")
+
+
 def check_supported(model: torch.nn.Module, optimizer) -> None:
     """Raise CFPError unless `optimizer` is a ZeRO-1/2/3 optimizer whose partitions CFP can correct."""
     zero = zero_optimizer(optimizer)
-    if hasattr(zero, "fp32_partitioned_groups_flat"):  # ZeRO-3
+    if is_zero3(zero):
         if getattr(zero, "swap_optimizer", False) or getattr(zero, "params_in_nvme_and_cpu", False):
             raise CFPError(
                 "CFPCallback under DeepSpeed ZeRO-3 does not support NVMe offload (its fp32 master "
@@ -98,13 +103,10 @@ class MasterCorrection:
         self.theta0: list[torch.Tensor] = []
         self.fishers: list[list[torch.Tensor | None]] = []
         for param, t0, row in zip(params, theta0, fishers, strict=True):
-            mapping = getattr(param, "_hp_mapping", None)
-            if mapping is None:  # this process owns no part of the parameter
+            start, numel = master_fragment_range(param)
+            if numel == 0:  # this process owns no part of the parameter
                 continue
-            start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-            if numel == 0:
-                continue
-            device = mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
+            device = param._hp_mapping.get_hp_fragment().device  # the master copy may be offloaded to the CPU
             self.fragments.append(param)
             self.theta0.append(t0.reshape(-1)[start : start + numel].to(device, copy=True))
             self.fishers.append(
@@ -154,24 +156,36 @@ class Zero3MasterCorrection:
     def correct(self, lams: list[float]) -> None:
         for param, t0, row in zip(self.params, self.theta0, self.fishers, strict=True):
             if t0.numel():
-                # A view into the partition, or a copy on the accelerator when it is offloaded: set it back.
-                hp = self.optimizer.get_local_fp32_param(param)
+                read, write = zero3_master_partition(self.optimizer, param)
+                hp = read()
                 on_hp = [f.to(hp.device) if f is not None else None for f in row]
                 proximal_pull_([hp.view(-1)[: t0.numel()]], [t0.to(hp.device)], [on_hp], lams)
-                self.optimizer.set_local_hp_param(hp, param)
+                write(hp)
         if self.persisted:  # their gathered copies predate the correction: release and gather them again
             self.persisted[0].partition(self.persisted)
             self.persisted[0].all_gather(self.persisted)
 
 
+def master_fragment_range(param) -> tuple[int, int]:
+    """(start, numel): the elements of the flattened ZeRO-1/2 parameter `param` whose fp32 master this process owns
+    (`param._hp_mapping`; numel 0 when it owns none)."""
+    mapping = getattr(param, "_hp_mapping", None)
+    if mapping is None:
+        return 0, 0
+    return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+
+
 def _lp_fragment(param) -> torch.Tensor | None:
     """The fragment of the ZeRO-1/2 model parameter `param` whose fp32 master this process owns (a flat view),
     or None when it owns none."""
-    mapping = getattr(param, "_hp_mapping", None)
-    if mapping is None or mapping.lp_fragment_address.numel == 0:
-        return None
-    start, numel = mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
-    return param.detach().reshape(-1)[start : start + numel]
+    start, numel = master_fragment_range(param)
+    return param.detach().reshape(-1)[start : start + numel] if numel else None
+
+
+def zero3_master_partition(zero, param) -> tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]:
+    """(read, write) of this process's ZeRO-3 fp32 master partition of `param` (padded at the end): `read` gives it
+    on the accelerator (a view into the partition, or a copy when it is offloaded), `write` sets it back."""
+    return (lambda: zero.get_local_fp32_param(param)), (lambda value: zero.set_local_hp_param(value, param))
 
 
 def partition_range(param) -> tuple[int, int]:
@@ -205,6 +219,6 @@ def master_correction(model, optimizer, params, theta0, fishers, followed=()):
     if zero is None:
         return None
     check_supported(model, optimizer)
-    if hasattr(zero, "fp32_partitioned_groups_flat"):
+    if is_zero3(zero):
         return Zero3MasterCorrection(zero, model, params, theta0, fishers)
     return MasterCorrection(params, theta0, fishers, followed)

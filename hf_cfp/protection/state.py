@@ -17,6 +17,7 @@ from ..geometry.base import Bound, GeometryState, complete
 from ..geometry.diagonal.binding import bind_anchor
 from ..geometry.diagonal.state import Chained, DiagonalTensors, pull_profile, sparse_correction
 from ..geometry.kronecker.binding import bind_kronecker
+from ..geometry.kronecker.master import kronecker_master
 from ..geometry.kronecker.state import KroneckerTensors, adapted_kronecker_squares, refuse_unsolvable
 from ..geometry.kronecker.summed import SummedTensors
 from ..names import ADAPTER_RESIDUAL, LAM, PREDICTED_KL, SENSITIVE_DRIFT, SUMMED_ITERATIONS, drift_keys
@@ -112,11 +113,8 @@ class CFPState:
         master = master_correction(
             model, optimizer, params, protected.theta0, protected.rows, followed=adapters.factor_params()
         )
-        if master is not None and (sparse is not None or kronecker or summed):
-            raise CFPArgumentError(
-                "Under DeepSpeed ZeRO, CFP supports dense diagonal anchors only (no sparse plan, no K-FAC anchor): "
-                "use a dense memory plan, a diagonal anchor, or FSDP2 / DDP for a K-FAC anchor."
-            )
+        _refuse_under_zero(master is not None, sparse is not None, summed)
+        kronecker_fp32 = kronecker_master(optimizer, kronecker)
         self.model, self.memory, self.protecting = model, memory, names
         self.lams = [0.0] * len(protecting)  # of the last correction
         self.tensors, self.views, self.diagonal, self.kronecker = tracked, views, diagonal, kronecker
@@ -129,6 +127,7 @@ class CFPState:
             DriftView([a.fisher.get(name) for a in adapted], v.threshold) for name, v in views.items()
         ]
         self.sparse, self.sparse_report, self.master = sparse, report, master
+        self.kronecker_master = kronecker_fp32
 
     @property
     def names(self) -> list[str]:
@@ -172,6 +171,8 @@ class CFPState:
             geometry.correct(self.lams)
         if self.master is not None:
             self.master.correct(self.lams)
+        if self.kronecker_master is not None:
+            self.kronecker_master.correct(self.lams)
 
     def footprint(self) -> tuple[int, int]:
         """The memory CFP keeps for the full-parameter coordinates: theta0 and every anchor's F, and in sparse mode the
@@ -256,6 +257,20 @@ class CFPState:
         if self.summed:
             metrics[SUMMED_ITERATIONS.key()] = self.summed.mean_iterations
         return metrics
+
+
+def _refuse_under_zero(zero: bool, sparse: bool, summed: SummedTensors) -> None:
+    """Under DeepSpeed ZeRO, refuse what its fp32 master copy cannot follow: a sparse plan, several protecting
+    anchors on one K-FAC weight."""
+    if zero and sparse:
+        raise CFPArgumentError("Under DeepSpeed ZeRO, CFP needs a dense memory plan (sparse=None).")
+    if zero and summed:
+        raise CFPArgumentError(
+            f"Under DeepSpeed ZeRO, several protecting anchors {summed.protecting} cover the K-FAC weight "
+            f"{summed.tensors[0].name!r}: their summed penalty is not solved on the fp32 master fragments. Train "
+            "with DDP or FSDP2 (fully_shard), or protect with one anchor (estimated on the capabilities' prompts "
+            "together) and pass the others as monitor=."
+        )
 
 
 def _adapter_correction(adapted: list[AdaptedTensor], protecting: list[str], rule: str) -> AdapterCorrection:

@@ -16,6 +16,7 @@ touches (`pieces`): one all-reduce per weight and projection, of r_G r_A + r_G i
 """
 
 from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -122,10 +123,27 @@ class _Factored:
         return complete, local
 
 
+class HeldPiece(Protocol):
+    """What `FlatPieces` reads of a weight held as a flat piece: a tracked tensor (`base.Tracked`), or a fragment
+    of DeepSpeed's fp32 master copy (`master`): theta0 of the piece, the elements of the weight it is
+    (`binding.HeldRange`), each anchor's basis (U_G's rows for the rows the piece touches) and the piece now."""
+
+    @property
+    def theta0(self) -> torch.Tensor: ...
+
+    @property
+    def held(self) -> Any: ...
+
+    @property
+    def kfac(self) -> dict[str, Any]: ...
+
+    def local(self) -> torch.Tensor: ...
+
+
 class _Piece:
     """One weight held as a flat piece, a batch of one: its basis (U_G's rows for the rows the piece touches)."""
 
-    def __init__(self, anchor: str, tensor: Tracked):
+    def __init__(self, anchor: str, tensor: HeldPiece):
         self.tensors, self.basis = [tensor], tensor.kfac[anchor]
         in_dim = self.basis.a_vectors.shape[-2]
         self.piece, self.out_dim = PieceRows(tensor.held.start, tensor.held.stop, in_dim), tensor.held.numel // in_dim
@@ -137,13 +155,13 @@ class _Piece:
         return self.piece.laid_out(t.local() - t.theta0, self.basis.a_vectors.dtype)
 
 
-class _Pieces:
-    """One anchor's K-FAC weights held as flat pieces (FSDP1, ZeRO-3), every process going through the same weights
-    in the same order (an empty piece takes part in each reduce with zeros)."""
+class FlatPieces:
+    """One anchor's K-FAC weights held as flat pieces (FSDP1, ZeRO-3, DeepSpeed's master fragments), every process
+    going through the same weights in the same order (an empty piece takes part in each reduce with zeros)."""
 
     sharded, split = True, False
 
-    def __init__(self, anchor: str, tensors: list[Tracked]):
+    def __init__(self, anchor: str, tensors: Sequence[HeldPiece]):
         self.anchor = anchor
         self.batches = [_Piece(anchor, t) for t in tensors]
 
@@ -214,14 +232,14 @@ class KroneckerTensors:
         self.order = list(views)
         solved = {id(t) for t in summed}
         own = {name: [t for t in view.kronecker if id(t) not in solved] for name, view in views.items()}
-        self.groups: list[_Factored | _Pieces] = [
+        self.groups: list[_Factored | FlatPieces] = [
             _Factored(name, [t for t in tensors if t.sharded == sharded and not is_flat_piece(t)], sharded)
             for name, tensors in own.items()
             for sharded in (False, True)
             if any(t.sharded == sharded and not is_flat_piece(t) for t in tensors)
         ]
         self.groups += [
-            _Pieces(name, pieces)
+            FlatPieces(name, pieces)
             for name, tensors in own.items()
             if (pieces := [t for t in tensors if is_flat_piece(t)])
         ]
@@ -232,7 +250,7 @@ class KroneckerTensors:
     def __bool__(self) -> bool:
         return bool(self.groups)
 
-    def protected(self) -> list[tuple[int, "_Factored | _Pieces"]]:
+    def protected(self) -> list[tuple[int, "_Factored | FlatPieces"]]:
         return [(self.protecting.index(g.anchor), g) for g in self.groups if g.anchor in self.protecting]
 
     def _versions(self) -> tuple[int, ...]:
@@ -302,7 +320,7 @@ class KroneckerTensors:
         return [t for b in bases for t in stored_parts(b).values()], []
 
 
-def _weight_shape(t: Tracked, basis: KroneckerBasis) -> tuple[int, int]:
+def _weight_shape(t: HeldPiece, basis: KroneckerBasis) -> tuple[int, int]:
     """(out, in) of the whole K-FAC weight, however this process holds it."""
     in_dim = basis.a_vectors.shape[-2]
     return t.held.numel // in_dim, in_dim
