@@ -1,6 +1,6 @@
-"""CFP at 7-70B parameters on 8 GPUs under FSDP2 and DDP, on paper: bytes per rank, and the correction's FLOPs,
-memory traffic, communicated bytes and time per step against a bf16 training step, computed from the models'
-shapes (built on the meta device).
+"""CFP at 7-70B parameters on 8 GPUs under FSDP2, DDP, FSDP1 and DeepSpeed ZeRO-3, on paper: bytes per rank, and
+the correction's FLOPs, memory traffic, communicated bytes and time per step against a bf16 training step, computed
+from the models' shapes (built on the meta device).
 
     python scripts/plan_7b.py                       # Qwen2.5-7B, Llama-3-8B and Llama-3-70B, the defaults below
     python scripts/plan_7b.py --ranks 8 --kfac-rank 128 --tokens-per-gpu 16384
@@ -45,10 +45,16 @@ under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` stat
   non-owners: 2 bytes per factored parameter; an all-gather would move half as many bytes per rank); every
   process stacks and writes back the weights it does not own (10 bytes per parameter). Memory: theta0, the bases
   and F of the whole model on every process.
+- FSDP1 and ZeRO-3 (flat pieces, `geometry.kronecker.pieces`): every rank holds 1/n of each weight's flattened
+  elements, cut anywhere, and corrects them on the rows they touch (out / n + 1); P, with a tail N and the whole M
+  (out x r_A) too, float32, and |D|^2 (float64) are all-reduced per weight and step. ZeRO-3 also corrects its fp32
+  master partitions (`geometry.kronecker.master`), twice the work and communication. Two summed anchors are refused
+  on flat pieces (no row). Memory: as FSDP2.
 """
 
 import argparse
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -146,6 +152,12 @@ class Weight:
         if not self.tailed:
             return 4 * self.r_g * self.r_a
         return 4 * (self.r_g * self.r_a + self.r_g * self.in_dim) + 8 * (self.r_a + 1)
+
+    def piece_reduced_bytes(self) -> float:
+        """What flat pieces (FSDP1, ZeRO-3) all-reduce per step: P, with a tail N, the whole M and |D|^2."""
+        if not self.tailed:
+            return 4 * self.r_g * self.r_a
+        return 4 * (self.r_g * self.r_a + self.r_g * self.in_dim + self.out_dim * self.r_a) + 8
 
 
 @dataclass
@@ -257,6 +269,25 @@ def ddp(model: Model, weights: list[Weight], n: int) -> Cost:
     )
 
 
+def flat(model: Model, weights: list[Weight], n: int, master: bool) -> Cost:
+    """FSDP1 and ZeRO-3: each rank holds 1/n of every weight's flattened elements, laid into about out/n + 1 rows,
+    and corrects them from the complete projection; the temporaries add the complete M (out x r_A, float32) of the
+    widest weight. ZeRO-3 (`master`) corrects its fp32 master partitions the same way: twice the FLOPs, traffic and
+    communication, nothing more held (views of DeepSpeed's partitions)."""
+    diagonal = sum(model.diagonal.values())
+    times = 2 if master else 1
+    ring = 2 * (n - 1) / n
+    return Cost(
+        theta0=2 * model.params / n,
+        bases=sum(w.basis_bytes(w.out_dim / n + 1) for w in weights),
+        fisher=4 * diagonal / n,
+        temporaries=max(TEMPORARY_BYTES * (w.out_dim / n + 1) * w.in_dim + 4 * w.out_dim * w.r_a for w in weights),
+        flops=times * sum(w.flops(w.out_dim / n + 1) for w in weights),
+        traffic=times * (sum(w.traffic(w.out_dim / n + 1) for w in weights) + DIAGONAL_BYTES * diagonal / n),
+        communicated=times * ring * sum(w.piece_reduced_bytes() for w in weights),
+    )
+
+
 def summed(cost: Cost, weights: list[Weight], rows_of, anchors: int, iterations: float, sharded: bool) -> Cost:
     """`cost` of one anchor's closed form carried to the summed proximal map of `anchors` K-FAC anchors on every
     factored weight (`geometry.kronecker.summed_solve`): (1 + K) products to start and (1 + K) per conjugate-gradient
@@ -327,19 +358,27 @@ def report(name: str, args: argparse.Namespace) -> None:
         )
     results = {}
     two = f"K-FAC rank {r} + tails, two anchors summed ({args.iterations:g} iterations)"
-    for plan, fn in (("fsdp2", fsdp2), ("ddp", ddp)):
+    plans = {
+        "fsdp2": fsdp2,
+        "ddp": ddp,
+        "fsdp1": partial(flat, master=False),
+        "zero3": partial(flat, master=True),
+    }
+    for plan, fn in plans.items():
         rows_of = (lambda w: w.out_dim / n) if plan == "fsdp2" else (lambda w: w.out_dim)
         for label, weights, key in (
             (f"K-FAC rank {r} + tails", ranked, ""),
             ("K-FAC kfac_rank=None", full, "full_"),
             (two, ranked, "two_anchor_"),
         ):
+            if key == "two_anchor_" and plan in ("fsdp1", "zero3"):
+                continue  # refused on flat pieces
             cost = fn(model, weights, n)
             if key == "two_anchor_":
                 cost = summed(cost, weights, rows_of, 2, args.iterations, plan == "fsdp2")
             compute, comm = cost.seconds(args)
             share = (compute + comm) / step_s
-            weights_bytes = 2 * model.params / (n if plan == "fsdp2" else 1)  # the rank's bf16 weights
+            weights_bytes = 2 * model.params / (1 if plan == "ddp" else n)  # the rank's bf16 weights
             over = cost.memory + weights_bytes > args.hbm_gb * GB
             fits = f" (with the weights' {weights_bytes / GB:.0f} GB: over HBM)" if over else ""
             print(

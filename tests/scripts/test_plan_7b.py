@@ -4,6 +4,8 @@ and the correction's FLOPs against a count of the products of `geometry.kronecke
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "scripts" / "plan_7b.py"
 
 
@@ -24,9 +26,23 @@ def test_llama_3_8b_factors_every_linear_weight_and_prints_its_result(capsys):
     assert result["linear_weights_diagonal"] == "0"
     assert float(result["fsdp2_gb_per_rank"]) < float(result["full_fsdp2_gb_per_rank"])
     assert float(result["fsdp2_comm_gb_per_rank"]) < float(result["full_fsdp2_comm_gb_per_rank"])
+    # flat pieces reduce the whole M besides P and N; ZeRO-3 corrects the fp32 master partitions too: twice FSDP1
+    assert float(result["fsdp2_comm_gb_per_rank"]) < float(result["fsdp1_comm_gb_per_rank"])
+    assert float(result["zero3_tflop_per_rank"]) == pytest.approx(2 * float(result["fsdp1_tflop_per_rank"]), rel=1e-2)
+    assert "two_anchor_fsdp1_gb_per_rank" not in result  # refused on flat pieces
     model = plan.load("Llama-3-8B")
     assert len(model.shapes) == 32 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the untied lm_head
     assert not [n for n in model.diagonal if n.endswith("proj.weight") or n == "lm_head.weight"]
+
+
+def test_flat_pieces_reduce_p_n_the_whole_m_and_the_squared_norm():
+    """Counted from `geometry.kronecker.pieces.project_piece`: float32 P (r_G x r_A), N (r_G x in), M (out x r_A)
+    and one float64 |D|^2 with a tail; P alone without one."""
+    plan = load_plan()
+    w = plan.Weight("w", 5, 7, 2, 3)
+    assert w.piece_reduced_bytes() == 4 * (3 * 2 + 3 * 7 + 5 * 2) + 8
+    full = plan.Weight("w", 5, 7, 7, 5)
+    assert full.piece_reduced_bytes() == 4 * 5 * 7
 
 
 def test_tailed_flops_count_the_products_of_the_correction():
