@@ -113,7 +113,8 @@ grep -h "^RESULT" "$logs/plan_7b.log" | sed 's/^/plan_7b /'
 
 # ---------------------------------------------------------------- optional: >= 2 GPUs
 # FSDP and DeepSpeed through accelerate launch, each config's num_processes (2) on one machine. DeepSpeed needs
-# `bash scripts/setup.sh dev,deepspeed`. Each runs scripts/multi_gpu_check.py (two 8-step Trainer runs):
+# `bash scripts/setup.sh dev,deepspeed`. Each runs scripts/multi_gpu_check.py (two 8-step Trainer runs per anchor
+# structure, diagonal and K-FAC rank 8 + tails):
 #   accelerate launch --config_file scripts/accelerate/ddp.yaml             scripts/multi_gpu_check.py
 #   accelerate launch --config_file scripts/accelerate/fsdp1.yaml           scripts/multi_gpu_check.py
 #   accelerate launch --config_file scripts/accelerate/fsdp2.yaml           scripts/multi_gpu_check.py
