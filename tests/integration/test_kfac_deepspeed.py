@@ -6,19 +6,22 @@ its fragments of the optimizer's fp32 master copy (flat pieces that cut rows), o
 parameters then equal a one-process Trainer run of the same global batch (atol 1e-5, only the gradient's float
 summation order differs) while the K-FAC correction's own effect is far larger, at full rank and at rank 3 with
 tails, and every logged metric is the same on both processes and equal to the one-process one. A ZeRO-3 run resumed
-from a moved checkpoint ends bit-identical to the uninterrupted one. Two protecting anchors summed on one K-FAC
-weight are refused under ZeRO with what to do.
+from a moved checkpoint ends bit-identical to the uninterrupted one, and its checkpoint's theta0 restores in one
+process. Two protecting anchors summed on one K-FAC weight are refused under ZeRO with what to do.
 """
 
 import pytest
 import torch
 from support.distributed import (
     KEYS,
+    RESUME_STEP,
     ROWS,
     SAFETY_PROMPTS,
     estimate_kfac_anchor,
+    initial_params,
     make_kfac_callback,
     make_model,
+    restored_in_one_process,
     run_worker,
     trainer_run,
 )
@@ -35,7 +38,7 @@ def anchors(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ranks(anchors, tmp_path_factory):
+def worker_out(anchors, tmp_path_factory):
     pytest.importorskip(
         "deepspeed",
         reason="DeepSpeed is not installed or fails to import (pip install deepspeed)",
@@ -52,7 +55,12 @@ def ranks(anchors, tmp_path_factory):
         env={"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true"},
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(worker_out):
+    return [torch.load(worker_out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +104,15 @@ def test_zero3_with_kfac_anchor_resumes_bit_identically(ranks):
         assert max_diff(r["zero3_tailed_resumed_params"], r["zero3_tailed_params"]) == 0
         for key in KEYS:
             assert r["zero3_tailed_resumed_logs"][key] == r["zero3_tailed_logs"][key], key
+
+
+def test_zero3_kfac_checkpoint_restores_theta0_in_one_process(worker_out):
+    """theta0 saved by the 2 ZeRO-3 processes of the K-FAC run (one file of partitions each), read here on a plain
+    model whose weights moved: the initial full weights, exactly."""
+    state = restored_in_one_process(worker_out / "zero3_tailed" / f"checkpoint-{RESUME_STEP}")
+    initial = initial_params()
+    assert state.names == list(initial)
+    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
 
 
 def test_zero_with_summed_anchors_is_refused_with_what_to_do(ranks):

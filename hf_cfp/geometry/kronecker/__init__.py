@@ -3,8 +3,9 @@ eigenpairs of each factor and a tail. Followed from estimate to anchor: the fact
 factor too wide to form) fed by the scoring pass into its sink (`sink`), their eigenbases stored in the anchor
 (`artifact`: keys, checks, lazy reads, truncation) and read coordinate by coordinate (`views`); bound to a live
 model (`binding`) and kept each step (`state`: the correction, drift, budget terms and footprint of its weights in
-their eigenbases, `basis` and `proximal` the math; `summed` with `summed_solve`, several protecting anchors on one
-weight); its LoRA rules (`lora`)."""
+their eigenbases, `basis` and `proximal` the math; `flat` with `pieces`, weights held as flat pieces under FSDP1
+and ZeRO-3; `master`, DeepSpeed's fp32 master fragments; `summed` with `summed_solve`, several protecting anchors on
+one weight); its LoRA rules (`lora`)."""
 
 import torch
 

@@ -5,7 +5,7 @@ correction of the model parameters alone would be overwritten (`parallel.deepspe
 process's master partition holds a flat piece: under ZeRO-1/2 the fragment at `param._hp_mapping` (elements
 [start, start + numel) of the flattened weight, none on some processes), under ZeRO-3 the partition at the same
 offsets as the parameter's own (`optimizer.get_local_fp32_param`). Each is corrected as FSDP1's pieces are
-(`state.FlatPieces`, `pieces`: one all-reduce per weight, every process taking part), from its own fp32 values and
+(`flat.FlatPieces`, `pieces`: one all-reduce per weight, every process taking part), from its own fp32 values and
 theta0 sliced to it, with U_G's rows for the rows it touches; the model parameters are corrected by the K-FAC state
 beside it (whole weights under ZeRO-1/2, partitions under ZeRO-3). Under ZeRO-3 with the master copy offloaded,
 `get_local_fp32_param` copies the partition to the accelerator: the protected partitions are fetched before the
@@ -21,12 +21,13 @@ import torch
 from ...parallel.deepspeed import is_zero3, master_fragment_range, zero3_master_partition, zero_optimizer
 from ..binding import HeldRange
 from .basis import KroneckerBasis
+from .flat import FlatPieces
 from .pieces import PieceRows
-from .state import FlatPieces, KroneckerTensors
+from .state import KroneckerTensors
 
 
 class _Fragment:
-    """One K-FAC weight's part of this process's fp32 master partition, as `state.FlatPieces` reads it: `local()` is
+    """One K-FAC weight's part of this process's fp32 master partition, as `flat.FlatPieces` reads it: `local()` is
     its first `numel` elements as last fetched."""
 
     def __init__(
@@ -75,7 +76,7 @@ def _zero3_fragment(zero, t, anchor: str) -> _Fragment:
 
 
 class KroneckerMaster:
-    """The protecting K-FAC anchors' weights in this process's fp32 master partition, one `state.FlatPieces` per
+    """The protecting K-FAC anchors' weights in this process's fp32 master partition, one `flat.FlatPieces` per
     protected group, corrected with that group's lam."""
 
     def __init__(self, zero, kronecker: KroneckerTensors):

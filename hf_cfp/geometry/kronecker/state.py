@@ -12,11 +12,10 @@ collective per batch, per correction and per metrics call). Its drift sums come,
 like the diagonal ones, as float64 [1 + 2V] vectors in the metric order of `names.drift_keys`: the rotated sums are
 complete on every process (replicated), the sum of Delta^2 of sharded rows is added across processes by the caller.
 A weight held as a flat piece (FSDP1, DeepSpeed ZeRO-3) is corrected one weight at a time on the rows its piece
-touches (`pieces`): one all-reduce per weight and projection, of r_G r_A + r_G in + out r_A + 1 floats.
+touches (`flat`): one all-reduce per weight and projection, of r_G r_A + r_G in + out r_A + 1 floats.
 """
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
 
 import torch
 
@@ -25,7 +24,7 @@ from ...parallel import all_reduce_sum_, process_rank_and_count
 from ..base import Adapted, Tracked, View
 from .artifact import stored_parts
 from .basis import KroneckerBasis, Projection, projected
-from .pieces import PieceRows, piece_drift_squares, project_piece, pull_piece_
+from .flat import FlatPieces, HeldPiece, is_flat_piece
 from .proximal import kfac_budget_terms, kfac_drift_squares, pull_
 
 BATCH = 8  # weights of one shape rotated together: batched products (on a GPU, far fewer kernel launches)
@@ -121,83 +120,6 @@ class _Factored:
             found = kfac_drift_squares([b.displacements()], [b.basis], threshold, self.reduce)
             complete, local = complete + found[0], local + found[1]
         return complete, local
-
-
-class HeldPiece(Protocol):
-    """What `FlatPieces` reads of a weight held as a flat piece: a tracked tensor (`base.Tracked`), or a fragment
-    of DeepSpeed's fp32 master copy (`master`): theta0 of the piece, the elements of the weight it is
-    (`binding.HeldRange`), each anchor's basis (U_G's rows for the rows the piece touches) and the piece now."""
-
-    @property
-    def theta0(self) -> torch.Tensor: ...
-
-    @property
-    def held(self) -> Any: ...
-
-    @property
-    def kfac(self) -> dict[str, Any]: ...
-
-    def local(self) -> torch.Tensor: ...
-
-
-class _Piece:
-    """One weight held as a flat piece, a batch of one: its basis (U_G's rows for the rows the piece touches)."""
-
-    def __init__(self, anchor: str, tensor: HeldPiece):
-        self.tensors, self.basis = [tensor], tensor.kfac[anchor]
-        in_dim = self.basis.a_vectors.shape[-2]
-        self.piece, self.out_dim = PieceRows(tensor.held.start, tensor.held.stop, in_dim), tensor.held.numel // in_dim
-
-    @torch.no_grad()
-    def displacement(self) -> torch.Tensor:
-        """theta - theta0 of the piece, laid into its rows (`pieces.PieceRows.laid_out`)."""
-        t = self.tensors[0]
-        return self.piece.laid_out(t.local() - t.theta0, self.basis.a_vectors.dtype)
-
-
-class FlatPieces:
-    """One anchor's K-FAC weights held as flat pieces (FSDP1, ZeRO-3, DeepSpeed's master fragments), every process
-    going through the same weights in the same order (an empty piece takes part in each reduce with zeros)."""
-
-    sharded, split = True, False
-
-    def __init__(self, anchor: str, tensors: Sequence[HeldPiece]):
-        self.anchor = anchor
-        self.batches = [_Piece(anchor, t) for t in tensors]
-
-    def rotated(self, batch: _Piece) -> Projection:
-        """The complete projection of the weight's displacement now (`pieces.project_piece`, one all-reduce)."""
-        return project_piece(batch.basis, batch.displacement(), batch.piece, batch.out_dim, all_reduce_sum_)
-
-    def proposals(self) -> list[Projection]:
-        """`rotated` of every weight."""
-        return [self.rotated(b) for b in self.batches]
-
-    @torch.no_grad()
-    def pull_(self, lam: float, rotated: list[Projection] | None = None) -> None:
-        """Every piece pulled in place (`pieces.pull_piece_`), projected here one weight at a time unless given."""
-        for i, batch in enumerate(self.batches):
-            t = batch.tensors[0]
-            projection = rotated[i] if rotated is not None else self.rotated(batch)
-            pull_piece_(t.local(), t.theta0, batch.basis, projection, batch.piece, lam)
-
-    @torch.no_grad()
-    def drift(self, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(complete, local) `pieces.piece_drift_squares` over every weight."""
-        b = self.batches
-        return piece_drift_squares(
-            [x.displacement() for x in b],
-            [x.basis for x in b],
-            [x.piece for x in b],
-            [x.out_dim for x in b],
-            threshold,
-            all_reduce_sum_,
-        )
-
-
-def is_flat_piece(t: Tracked) -> bool:
-    """Whether this process holds `t` as a flat piece (FSDP1, ZeRO-3): a 1-D run of the weight's elements."""
-    return t.sharded and t.local().dim() == 1
 
 
 def _flops(batch: _Batch) -> int:

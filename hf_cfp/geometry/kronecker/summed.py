@@ -22,9 +22,10 @@ from ...parallel import all_reduce_sum_, process_rank_and_count
 from ..base import Tracked, View
 from .artifact import stored_parts
 from .basis import KroneckerBasis, no_reduce
+from .flat import is_flat_piece
 from .pooled import pooled_term
 from .proximal import kfac_drift_squares
-from .state import balanced_owners, is_flat_piece
+from .state import balanced_owners
 from .summed_solve import MAX_ITERATIONS, TOLERANCE, SummedPenalty, solve_summed
 
 
