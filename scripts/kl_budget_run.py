@@ -1,8 +1,14 @@
 """Does `kl_budget` hold the measured KL on the embedded model? SFT on the long run's pirate task (its learning rate
-and batch), protected by the math anchor (diagonal) with `CFPCallback(kl_budget=B, kl_prompts=P, kl_every=k)`.
+and batch), protected by the math anchor with `CFPCallback(kl_budget=B, kl_prompts=P, kl_every=k, kl_control=rule)`.
 
     python scripts/kl_budget_run.py --tiny       # the pipeline on a random tiny model (seconds)
-    python scripts/kl_budget_run.py --plot       # the embedded model (docs/reports/strength.md)
+    python scripts/kl_budget_run.py --plot       # the embedded model, the diagonal anchor, the default rule
+    python scripts/kl_budget_run.py --anchor ../behaviour-smollm2/anchors/math_kfac --kfac-rank 256 \
+        --control adaptive --output-dir kl-budget-smollm2/kfac-adaptive      # K-FAC rank 256 + tails, PPO's rule
+    python scripts/kl_budget_run.py --compare kl-budget-smollm2/*/         # the runs side by side: compare.png
+
+The anchor is the long run's diagonal math anchor (`--anchor`, a saved anchor directory), or a K-FAC one truncated
+to `--kfac-rank` eigenpairs with mean tails (`evidence.truncated_anchor`, the long run's `math_t256`).
 
 The controller measures on 24 generated arithmetic prompts (`longrun.data.math_problems`, seed 1; 4 base responses
 of up to 64 tokens each, `kl_prompts`' default). Independently of it, the long run's held-out math KL (the 24
@@ -22,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import datasets
+from evidence import truncated_anchor
 from evidence.plan import Arm
 from longrun.data import math_problems
 from longrun.plan import EMBEDDED, TINY
@@ -30,6 +37,7 @@ from transformers import PrinterCallback, TrainerCallback
 
 from hf_cfp import CFPCallback, FisherAnchor, estimate_fisher
 from hf_cfp.evaluation import answer_log_probs, draw_base_responses
+from hf_cfp.integrations.kl_control import RULES
 from hf_cfp.loading.models import load_causal_lm, tiny_llama, tiny_tokenizer
 from hf_cfp.loading.prompts import eval_items
 from hf_cfp.names import LAM, MEASURED_KL
@@ -75,8 +83,9 @@ class TaskGain:
         return {"task_gain": float(gains.mean()), "task_gain_stderr": float(gains.std()) / len(gains) ** 0.5}
 
 
-def setup(tiny: bool):
-    """(model, tokenizer, math anchor, training items, held-out items) of the embedded model or the tiny one."""
+def setup(tiny: bool, anchor_dir: str, kfac_rank: int | None):
+    """(model, tokenizer, math anchor, training items, held-out items) of the embedded model (the anchor saved in
+    `anchor_dir`, truncated to `kfac_rank` with mean tails if given) or the tiny one."""
     if tiny:
         tokenizer = tiny_tokenizer()
         model = tiny_llama(vocab_size=len(tokenizer), hidden_size=32)
@@ -88,7 +97,9 @@ def setup(tiny: bool):
         ]
         return model, tokenizer, anchor, items, items
     model, tokenizer = load_causal_lm()
-    anchor = FisherAnchor.from_pretrained("evidence-smollm2/anchors/math")
+    anchor = FisherAnchor.from_pretrained(anchor_dir)
+    if kfac_rank is not None:
+        anchor = truncated_anchor(anchor, kfac_rank, f"math_t{kfac_rank}", tail="mean")
     task = RESULTS / "long-run-smollm2" / "task.jsonl"
     items = [json.loads(line) for line in task.read_text().splitlines()]
     return model, tokenizer, anchor, items[: EMBEDDED.task_prompts], items[EMBEDDED.task_prompts :]
@@ -102,12 +113,20 @@ def main(argv=None) -> None:
     parser.add_argument("--every", type=int, default=8, help="kl_every")
     parser.add_argument("--check-every", type=int, default=16)
     parser.add_argument("--start", type=float, default=1.0, help="lam starts at start / p99(F)")
+    parser.add_argument("--control", choices=RULES, default=RULES[0], help="kl_control, the controller's rule")
+    parser.add_argument("--anchor", default="evidence-smollm2/anchors/math", help="the saved math anchor")
+    parser.add_argument("--kfac-rank", type=int, default=None, help="truncate a K-FAC anchor to this rank, mean tails")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--plot", action="store_true")
+    parser.add_argument("--compare", nargs="+", default=None, help="output directories to draw side by side")
     args = parser.parse_args(argv)
+    if args.compare:
+        records = {Path(d).name: json.loads((Path(d) / "kl_budget.json").read_text()) for d in args.compare}
+        print(f"Plot: {plot_compare(records, Path(args.compare[0]).parent / 'compare.png')}")
+        return
     datasets.disable_progress_bars()
     out = Path(args.output_dir or ("kl-budget-tiny" if args.tiny else "kl-budget-smollm2"))
-    model, tokenizer, anchor, items, heldout_items = setup(args.tiny)
+    model, tokenizer, anchor, items, heldout_items = setup(args.tiny, args.anchor, args.kfac_rank)
     plan = TINY if args.tiny else EMBEDDED
     control = [q for q, _ in math_problems(24, seed=1)]
     measured = draw_base_responses(model, tokenizer, control, max_new_tokens=8 if args.tiny else 64)
@@ -115,7 +134,9 @@ def main(argv=None) -> None:
         model, tokenizer, [q for q, _ in eval_items("math")][: plan.kl_prompts], plan.kl_samples, plan.kl_new_tokens
     )
     lam = args.start / anchor.metadata["statistics"]["p99"]
-    cfp = CFPCallback(anchor, lam=lam, kl_budget=args.budget, kl_prompts=measured, kl_every=args.every)
+    cfp = CFPCallback(
+        anchor, lam=lam, kl_budget=args.budget, kl_prompts=measured, kl_every=args.every, kl_control=args.control
+    )
     checks = Checks(heldout, TaskGain(model, tokenizer, heldout_items), args.check_every)
     # the long run's SFT settings, `steps` long, logging at every measurement
     plan = replace(plan, steps=args.steps, points=args.steps // args.every)
@@ -140,20 +161,23 @@ def main(argv=None) -> None:
 
 
 def summary(record: dict) -> str:
-    """How close the controller held the measured KL to the budget once it first reached it."""
+    """How close the controller held the measured KL to the budget: the largest measurement, and how many lie within
+    25% of it from the first above 0.75 of it."""
     budget, logged = record["budget"], record["logged"]
-    reached = next((i for i, row in enumerate(logged) if row["kl"] >= budget), None)
+    reached = next((i for i, row in enumerate(logged) if row["kl"] > 0.75 * budget), None)
     after = logged[reached:] if reached is not None else []
     inside = sum(0.75 * budget <= row["kl"] <= 1.25 * budget for row in after)
     first = after[0]["step"] if after else "never"
+    largest = max(row["kl"] for row in logged) / budget if logged else float("nan")
     kls = [round(row["kl"], 3) for row in logged]
     lams = [float(format(row["lam"], ".3g")) for row in logged]
     checks = [
         (c["step"], round(c["kl"], 3), round(c["stderr"], 3), round(c["task_gain"], 3)) for c in record["checks"]
     ]
     return (
-        f"kl_budget {budget:g}: first reached at step {first}; {inside} of {len(after)} measurements since within "
-        f"25%\nmeasured KL {kls}\nlam {lams}\nheld-out (step, math KL, stderr, task gain) {checks}"
+        f"kl_budget {budget:g} ({record.get('control', 'adaptive')}): above 0.75 of it first at step {first}; "
+        f"{inside} of {len(after)} measurements since within 25%; the largest {largest:.2f} x the budget\n"
+        f"measured KL {kls}\nlam {lams}\nheld-out (step, math KL, stderr, task gain) {checks}"
     )
 
 
@@ -183,6 +207,36 @@ def plot(record: dict, path: Path) -> Path:
         check_steps, [c["task_gain"] for c in checks], [1.96 * c["task_gain_stderr"] for c in checks], fmt="s-"
     )
     task_axis.set(xlabel="optimizer step", ylabel="held-out task gain (nats/token)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def plot_compare(records: dict[str, dict], path: Path) -> Path:
+    """The runs side by side over steps: measured KL (with the budget's +-25% band), held-out math KL, lam, and the
+    held-out task gain, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    (measured, heldout), (lams, task) = axes
+    budget = next(iter(records.values()))["budget"]
+    measured.axhspan(0.75 * budget, 1.25 * budget, color="0.9")
+    for label, record in records.items():
+        steps = [row["step"] for row in record["logged"]]
+        line = measured.plot(steps, [row["kl"] for row in record["logged"]], "o-", ms=3, label=label)[0]
+        lams.plot(steps, [row["lam"] for row in record["logged"]], "-", color=line.get_color())
+        checks = record["checks"]
+        at = [c["step"] for c in checks]
+        heldout.errorbar(at, [c["kl"] for c in checks], [1.96 * c["stderr"] for c in checks], fmt="s-", ms=3)
+        task.errorbar(at, [c["task_gain"] for c in checks], [1.96 * c["task_gain_stderr"] for c in checks], fmt="s-")
+    measured.set(ylabel="measured KL (kl_prompts), nats", title=f"kl_budget {budget:g} (band: +-25%)")
+    heldout.set(ylabel="held-out math KL, nats")
+    lams.set(ylabel="lam", yscale="symlog", xlabel="optimizer step")
+    task.set(ylabel="held-out task gain (nats/token)", xlabel="optimizer step")
+    measured.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return path

@@ -76,6 +76,7 @@ class CFPCallback(TrainerCallback):
         kl_budget: float | Sequence[float] | None = None,
         kl_prompts: Any = None,
         kl_every: int = 10,
+        kl_control: str = "feedforward",
         predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
         monitor: Sequence[AnchorLike] = (),
@@ -106,7 +107,7 @@ class CFPCallback(TrainerCallback):
         self._optimizer_size: tuple[int, int] | None = None  # (param groups, parameters) at bind
         self._step_lr: float | None = None  # the learning rate of the optimizer step being taken
         self._rechecked: dict[str, float] = {}  # top1_overlap_now values for the next log
-        self._kl_lams: list[float] | None = None  # kl_budget's lams at the checkpoint resumed from
+        self._kl_state: dict[str, Any] | None = None  # kl_budget's controller at the checkpoint resumed from
 
     @property
     def strict(self) -> bool:
@@ -216,8 +217,8 @@ class CFPCallback(TrainerCallback):
                 kl_prompts=kl_prompts,
             )
             self.cfp = CFP(model, **options.arguments(LOOP))
-            if self._kl_lams is not None:  # resumed under kl_budget: the controller's lams at the checkpoint
-                self.cfp.protection.lams = self._kl_lams
+            if self._kl_state is not None and self.cfp.control is not None:  # resumed under kl_budget
+                self.cfp.protection.lams = self.cfp.control.restore(self._kl_state)
             strength = self.settings.strength  # per process: under sharding each describes the coordinates it holds
             logger.info(strength.describe(self.cfp.protection, getattr(args, "learning_rate", None)))
             if self.cfp.protection.sparse_report is not None:
@@ -229,17 +230,17 @@ class CFPCallback(TrainerCallback):
 
     def _kl_prompts(self, model, tokenizer, resumed_from: str | None, step: int) -> Any:
         """kl_prompts as base responses per anchor (`kl_control`): drawn now from the base model, or on resume the
-        checkpoint's (with the controller's lams, kept in `_kl_lams`); the option as given without kl_budget.
+        checkpoint's (with the controller's state, kept in `_kl_state`); the option as given without kl_budget.
 
         Raises:
             CFPError: resuming under kl_budget from a checkpoint without its state (unless restart_path_on_resume).
         """
-        measurement, self._kl_lams = self.settings.kl_measurement, None
+        measurement, self._kl_state = self.settings.kl_measurement, None
         if measurement is None:
             return self.options.kl_prompts
         saved = saved_kl_state(resumed_from) if step > 0 else None
         if saved is not None:
-            self._kl_lams = [float(lam) for lam in saved["lams"]]
+            self._kl_state = saved
             return measurement.with_saved(saved).prompts
         if step > 0 and not self.restart_path_on_resume:
             raise CFPError(

@@ -1,32 +1,54 @@
-"""`kl_budget`: lam_t held by a controller on the measured capability KL, as PPO's adaptive KL controller holds its
-KL coefficient (Ziegler et al. 2019).
+"""`kl_budget`: lam_t held by a controller on the measured capability KL.
 
 Protecting anchor k has a budget B_k in nats and held-out prompts whose base responses y_n ~ mu_0(.|x_n) are drawn
-once, at bind, with their base log-probs (`hf_cfp.evaluation.BaseResponses`). Every `every` optimizer steps, after
-that step's correction,
+once, at bind, with their base log-probs (`hf_cfp.evaluation.BaseResponses`). At measured steps, after that step's
+correction,
 
-    KL_k = (1/N) sum_n [log mu_0(y_n|x_n) - log mu_theta(y_n|x_n)]        (`hf_cfp.evaluation.kl`)
-    lam_k <- lam_k * (1 + clip(KL_k / B_k - 1, -0.2, 0.2)),
+    KL_k = (1/N) sum_n [log mu_0(y_n|x_n) - log mu_theta(y_n|x_n)]        (`hf_cfp.evaluation.kl`).
 
-so lam_k grows by at most 20% per measurement while the capability is over its budget and shrinks by at most 20%
-while it is under. Between measurements lam_k stays. The same responses are scored every time, so the measured KL
-moves with theta only, not with fresh sampling noise. Every process measures the same value without a collective:
-under DDP the weights are the same; under FSDP or ZeRO-3 every process takes part in the scoring forward passes.
+The same responses are scored every time, so the measured KL moves with theta only, not with fresh sampling noise.
+Every process measures the same value without a collective: under DDP the weights are the same; under FSDP or
+ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_control`):
+
+- "feedforward" (the default), measured every `every` steps and at steps 1, 2, 4, ... before the first. The
+  predicted KL Q_k = 0.5 Delta^T F_k Delta (`CFPState.predicted_kls`) is far below the measured one, but their
+  ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / (rho_k g_k): where
+  the measured KL meets the budget if the ratio keeps the trend g_k = clip((rho_k / rho'_k)^(n/d), 1, MAX_GROWTH)
+  of the last two measurements (rho'_k measured d steps before, the next one n steps ahead; g_k = 1 after the first,
+  and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
+  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at most
+  `cap_k` = MAX_PULL / p99(F_k),
+  a pull of MAX_PULL at the 99th percentile of F_k (a warning says when the cap binds: the budget may then not be
+  met). Until the first measurement with KL_k > 0 and Q_k > 0, lam_t is the starting `lam`.
+- "adaptive": PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
+  lam_k <- lam_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)), kept between measurements. The feed-forward rule falls back
+  to it where the predicted KL has no closed-form solve: LoRA-adapted weights, a sparse plan, several protecting
+  anchors on one K-FAC weight.
 """
 
 import json
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from transformers.utils import logging
 
 from ..errors import CFPArgumentError, CFPError
 from ..evaluation import BaseResponses, KLEstimate, draw_base_responses
 from ..fisher.token_ids import to_token_ids
 from ..names import MEASURED_KL
+from ..parallel import log_on_main_process
+from ..protection import CFPState
 
+logger = logging.get_logger(__name__)
+
+RULES = ("feedforward", "adaptive")
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
-STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses and the lams
+MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
+MAX_GROWTH = 2.0  # the largest growth of the ratio KL / Q the feed-forward rule extrapolates to the next measurement
+STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
 
 def controlled_lams(lams: Sequence[float], kls: Sequence[float], budgets: Sequence[float]) -> list[float]:
@@ -39,22 +61,32 @@ def controlled_lams(lams: Sequence[float], kls: Sequence[float], budgets: Sequen
 
 @dataclass(frozen=True)
 class KLMeasurement:
-    """Where and how often `kl_budget` measures each protecting anchor's KL: `kl_prompts` (prompts, or base
-    responses drawn already, per anchor name) and `kl_every` (optimizer steps), validated."""
+    """Where and how often `kl_budget` measures each protecting anchor's KL, and its rule: `kl_prompts` (prompts,
+    or base responses drawn already, per anchor name), `kl_every` (optimizer steps) and `kl_control`, validated."""
 
     every: int
     prompts: dict[str, Any]  # anchor name -> prompts or BaseResponses
+    rule: str = RULES[0]
 
     @classmethod
     def of(
-        cls, *, budget: Any, prompts: Any, every: Any, anchor_names: Sequence[str], prefix: str = ""
+        cls,
+        *,
+        budget: Any,
+        prompts: Any,
+        every: Any,
+        anchor_names: Sequence[str],
+        rule: str = RULES[0],
+        prefix: str = "",
     ) -> "KLMeasurement | None":
         """The measurement of a `kl_budget` (None without one); messages name the options `prefix` + name.
 
         Raises:
-            CFPArgumentError: kl_prompts without kl_budget or the reverse, kl_every not an integer >= 1, or
-                kl_prompts not naming exactly the protecting anchors when there are several.
+            CFPArgumentError: kl_prompts without kl_budget or the reverse, kl_every not an integer >= 1, an unknown
+                kl_control, or kl_prompts not naming exactly the protecting anchors when there are several.
         """
+        if rule not in RULES:
+            raise CFPArgumentError(f"{prefix}kl_control must be one of {list(RULES)}, got {rule!r}.")
         if budget is None:
             if prompts is not None:
                 raise CFPArgumentError(f"{prefix}kl_prompts is where {prefix}kl_budget is measured: pass both.")
@@ -71,13 +103,13 @@ class KLMeasurement:
                 raise CFPArgumentError(
                     f"{prefix}kl_prompts names {sorted(prompts)}; the protecting anchors are {list(anchor_names)}."
                 )
-            return cls(every, dict(prompts))
+            return cls(every, dict(prompts), rule)
         if len(anchor_names) > 1:
             raise CFPArgumentError(
                 f"With several protecting anchors {list(anchor_names)}, {prefix}kl_prompts maps each anchor name to "
                 "its held-out prompts."
             )
-        return cls(every, {anchor_names[0]: prompts})
+        return cls(every, {anchor_names[0]: prompts}, rule)
 
     def drawn(self, model, tokenizer) -> "KLMeasurement":
         """This measurement with base responses for every anchor: those given as prompts drawn now from `model`
@@ -91,7 +123,7 @@ class KLMeasurement:
             if not isinstance(source, BaseResponses):
                 source = draw_base_responses(model, tokenizer, self._token_ids(name, source, tokenizer))
             responses[name] = source
-        return KLMeasurement(self.every, responses)
+        return replace(self, prompts=responses)
 
     @staticmethod
     def _token_ids(name: str, prompts: Any, tokenizer) -> Any:
@@ -120,47 +152,135 @@ class KLMeasurement:
                 f"The saved kl_budget state is of the anchors {sorted(saved)}, not {sorted(self.prompts)}: resume "
                 "with the anchors the run was started with."
             )
-        return KLMeasurement(self.every, {name: BaseResponses.from_dict(saved[name]) for name in self.prompts})
+        return replace(self, prompts={name: BaseResponses.from_dict(saved[name]) for name in self.prompts})
 
 
-@dataclass(frozen=True)
+@dataclass
 class KLControl:
-    """The controller of the module docstring for the protecting anchors `names`, in order."""
+    """The controller of the module docstring for the protecting anchors `names`, in order: its rule, its state
+    (`held`, the lams between measurements or before the first target; `targets`, the feed-forward rule's T_k) and
+    the feed-forward rule's caps."""
 
     names: tuple[str, ...]
     budgets: tuple[float, ...]
     every: int
     responses: tuple[BaseResponses, ...]
+    rule: str
+    held: list[float]
+    caps: tuple[float, ...] = ()
+    targets: list[float] | None = None
+    ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
+    _capped: set[str] = field(default_factory=set)
 
     @classmethod
-    def of(cls, measurement: KLMeasurement, names: Sequence[str], budgets: Sequence[float]) -> "KLControl":
-        """The controller of a measurement whose responses are drawn (`KLMeasurement.drawn`)."""
-        responses = [measurement.prompts[name] for name in names]
-        return cls(tuple(names), tuple(budgets), measurement.every, tuple(responses))
+    def of(
+        cls, measurement: KLMeasurement, protection: CFPState, budgets: Sequence[float], start: Sequence[float]
+    ) -> "KLControl":
+        """The controller of a measurement whose responses are drawn (`KLMeasurement.drawn`), from lams `start`."""
+        names = protection.protecting
+        rule = measurement.rule
+        if rule == "feedforward" and not protection.solves_budget:
+            log_on_main_process(
+                logger.warning,
+                "CFP kl_budget: the predicted KL has no closed-form solve here (LoRA-adapted weights, a sparse plan, "
+                "or several protecting anchors on one K-FAC weight); kl_control='adaptive' holds the budget instead.",
+            )
+            rule = "adaptive"
+        caps = tuple(_cap(protection, k) for k in range(len(names))) if rule == "feedforward" else ()
+        responses = tuple(measurement.prompts[name] for name in names)
+        return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
 
     def due(self, step: int) -> bool:
-        return step % self.every == 0
+        """Whether `step` is measured: every `every` steps, and at 1, 2, 4, ... before the first (feed-forward)."""
+        early = self.rule == "feedforward" and step < self.every and step & (step - 1) == 0
+        return step % self.every == 0 or early
 
-    def update(self, model, lams: Sequence[float]) -> tuple[list[float], list[KLEstimate]]:
-        """(the next lams, the KL of each anchor measured on `model` now)."""
+    def next_due(self, step: int) -> int:
+        """The first measured step after `step`."""
+        return next(later for later in range(step + 1, step + self.every + 1) if self.due(later))
+
+    def lams(self, protection: CFPState) -> list[float]:
+        """lam_t for the step whose proposal `protection` holds now (module docstring)."""
+        if self.targets is None:
+            return list(self.held)
+        solved = protection.budget_lams(self.targets)
+        for name, lam, cap, budget in zip(self.names, solved, self.caps, self.budgets, strict=True):
+            if lam > cap and name not in self._capped:
+                self._capped.add(name)
+                log_on_main_process(
+                    logger.warning,
+                    "CFP kl_budget: holding %s's measured KL at %g nats needs lam_t %.3g, above its cap %.3g (a pull "
+                    "of %g at the 99th percentile of its F): the KL comes from directions its F hardly sees, and the "
+                    "budget may not be met. Raise the budget, or estimate the anchor on more prompts (a K-FAC "
+                    "anchor sees more of them).",
+                    name,
+                    budget,
+                    lam,
+                    cap,
+                    MAX_PULL,
+                )
+        return [min(lam, cap) for lam, cap in zip(solved, self.caps, strict=True)]
+
+    def update(self, model, protection: CFPState, lams: Sequence[float], step: int) -> list[KLEstimate]:
+        """Measure the KL of each anchor on `model` now (after the correction with `lams`) and update the rule's
+        state (the adaptive rule's new lams also in `protection.lams`); returns the measurements."""
         estimates = [responses.kl(model) for responses in self.responses]
-        return controlled_lams(lams, [e.kl for e in estimates], self.budgets), estimates
+        kls = [e.kl for e in estimates]
+        if self.rule == "adaptive":  # the lams of the steps that follow, logged from now
+            self.held = protection.lams = controlled_lams(lams, kls, self.budgets)
+            return estimates
+        predicted = protection.predicted_kls()
+        if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
+            ratios = [kl / q for kl, q in zip(kls, predicted, strict=True)]
+            growth = [1.0] * len(ratios)
+            if self.ratios is not None:
+                then, before = self.ratios
+                growth = trend(before, ratios, step - then, self.next_due(step) - step)
+            self.targets = [b / (r * g) for b, r, g in zip(self.budgets, ratios, growth, strict=True)]
+            self.ratios = (step, ratios)
+        return estimates
 
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:
         """{`cfp/<anchor>/measured_kl`: KL} of the last measurement."""
         return {MEASURED_KL.key(name): e.kl for name, e in zip(self.names, estimates, strict=True)}
 
     def state(self, lams: Sequence[float]) -> dict[str, Any]:
-        """What a resumed run needs: the lams and every anchor's base responses (`BaseResponses.to_dict`)."""
+        """What a resumed run needs: the last lams (`lams`), the rule's state and every anchor's base responses
+        (`BaseResponses.to_dict`)."""
         return {
             "lams": list(lams),
+            "held": list(self.held),
+            "targets": self.targets,
+            "ratios": self.ratios,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
         }
+
+    def restore(self, state: Mapping[str, Any]) -> list[float]:
+        """Continue from a saved `state`; returns its last lams (the protection's)."""
+        self.held = [float(lam) for lam in state.get("held", state["lams"])]
+        targets = state.get("targets")
+        self.targets = [float(t) for t in targets] if targets is not None else None
+        ratios = state.get("ratios")
+        self.ratios = (int(ratios[0]), [float(r) for r in ratios[1]]) if ratios is not None else None
+        return [float(lam) for lam in state["lams"]]
 
     def save(self, directory: str | Path, lams: Sequence[float]) -> None:
         """Write `state(lams)` to `directory`/cfp_kl_control.json."""
         Path(directory).mkdir(parents=True, exist_ok=True)
         (Path(directory) / STATE_FILE).write_text(json.dumps(self.state(lams)))
+
+
+def trend(before: Sequence[float], now: Sequence[float], since: int, ahead: int) -> list[float]:
+    """g_k = clip((now_k / before_k)^(ahead / since), 1, MAX_GROWTH): the ratio's growth over the next `ahead`
+    steps if it keeps that of the last `since`."""
+    return [min(max((r / b) ** (ahead / since), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)]
+
+
+def _cap(protection: CFPState, k: int) -> float:
+    """MAX_PULL / p99(F_k) over the protected coordinates (inf where F_k is 0 there)."""
+    unit = [1.0 if j == k else 0.0 for j in range(len(protection.protecting))]
+    p99 = protection.pull_profile(unit)[2]
+    return MAX_PULL / p99 if p99 > 0 else math.inf
 
 
 def saved_state(directory: str | Path | None) -> dict[str, Any] | None:

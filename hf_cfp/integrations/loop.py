@@ -55,6 +55,7 @@ class CFP:
         kl_budget: float | Sequence[float] | None = None,
         kl_prompts: Any = None,
         kl_every: int = 10,
+        kl_control: str = "feedforward",
         predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
         monitor: Sequence[AnchorLike] = (),
@@ -88,12 +89,12 @@ class CFP:
         if budget is None or measurement is None:
             return None
         self.protection.lams = list(settings.strength.start)
-        return KLControl.of(measurement, self.protection.protecting, budget)
+        return KLControl.of(measurement, self.protection, budget, settings.strength.start)
 
     def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
         """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)
-        with lam_t from `lam`, from the `kl_budget` controller, or solved for `predicted_kl_budget` at this step; under
-        `kl_budget`, every `kl_every` steps the KL is then measured and lam_t set for the steps that follow.
+        with lam_t from `lam`, from the `kl_budget` controller (`kl_control`), or solved for `predicted_kl_budget` at
+        this step; under `kl_budget`, at measured steps the KL is then measured and the controller updated.
 
         Args:
             step (`int`, *optional*): the optimizer step just taken (1-based); defaults to counting the calls.
@@ -107,10 +108,13 @@ class CFP:
         """
         self.steps = self.steps + 1 if step is None else step
         learning_rate = lr if lr is not None else first_lr(self.optimizer)
-        lams = self.settings.strength.lams(self.steps, learning_rate, self.protection)
+        if self.control is not None:
+            lams = self.control.lams(self.protection)
+        else:
+            lams = self.settings.strength.lams(self.steps, learning_rate, self.protection)
         self.protection.correct(lams, measure_residual=measure_residual)
         if self.control is not None and self.control.due(self.steps):
-            self.protection.lams, self.measured = self.control.update(self.protection.model, lams)
+            self.measured = self.control.update(self.protection.model, self.protection, lams, self.steps)
         return lams
 
     def metrics(self) -> dict[str, float]:
@@ -170,6 +174,8 @@ class CFP:
             settings = replace(settings, kl_measurement=measurement.with_saved(state["kl_control"]))
         self._bind(self.protection.model, self.anchors, settings, self.optimizer, saved)
         self.protection.lams = list(state["lams"])
+        if self.control is not None:
+            self.protection.lams = self.control.restore(state["kl_control"])
         self.steps = int(state["steps"])
 
 

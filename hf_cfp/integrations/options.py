@@ -78,10 +78,9 @@ class ProtectionOptions:
         form=NUMBERS,
         shown_type="`float` or sequence of `float`",
         help="Hold each protecting anchor's measured KL to the base (nats, > 0; one per protecting anchor, or one for "
-        "all) on `kl_prompts`: every `kl_every` optimizer steps the KL on their base responses is measured and "
-        "lam_k <- lam_k (1 + clip(KL_k / budget_k - 1, -0.2, 0.2)), PPO's adaptive KL controller, starting from "
-        "`lam` (> 0). Logged as `cfp/<anchor>/measured_kl`. Full-parameter and PEFT training (`hf_cfp.integrations."
-        "kl_control`).",
+        "all) on `kl_prompts`, measured on their base responses every `kl_every` optimizer steps (and at steps 1, 2, "
+        "4, ... before the first) and held by the controller `kl_control`, starting from `lam` (> 0). Logged as "
+        "`cfp/<anchor>/measured_kl`. Full-parameter and PEFT training (`hf_cfp.integrations.kl_control`).",
     )
     kl_prompts: Any = option(
         None,
@@ -95,6 +94,15 @@ class ProtectionOptions:
         10,
         help="Optimizer steps between two measurements of `kl_budget`; each costs one scoring pass over the base "
         "responses of `kl_prompts`.",
+    )
+    kl_control: str = option(
+        "feedforward",
+        help='How `kl_budget` sets lam_t. `"feedforward"`: each measurement rescales a target on the predicted KL '
+        "0.5 Delta^T F Delta by budget / measured KL, and at every step lam_t is solved so that the predicted KL of "
+        "the step holds that target (0 while under it, at most a pull of 1e4 at the 99th percentile of F). "
+        '`"adaptive"`: PPO\'s adaptive KL controller, lam_k <- lam_k (1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) '
+        "at each measurement, the rule used where the predicted KL has no closed-form solve (LoRA-adapted weights, "
+        "a sparse plan, several protecting anchors on one K-FAC weight).",
     )
     predicted_kl_budget: float | Sequence[float] | None = option(
         None,

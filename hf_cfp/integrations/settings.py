@@ -84,6 +84,7 @@ class ProtectionSettings:
             budget=options.kl_budget,
             prompts=options.kl_prompts,
             every=options.kl_every,
+            rule=options.kl_control,
             anchor_names=anchor_names,
             prefix=prefix,
         )

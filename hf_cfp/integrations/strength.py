@@ -20,8 +20,8 @@ class Strength:
       with `scale_with_lr`, each is multiplied by the step's learning rate eta_t: the proximal form
       theta0 + Delta / (1 + eta_t lam F), so the pull follows warmup and decay and the fixed point of a persistent
       step eta_t u is u / (lam F), whatever the learning rate;
-    - `kl_budget`: nats, a number or one per anchor; lam_t starts at `lam` and is moved by the controller on the
-      measured KL (`kl_control`), which keeps it in `CFPState.lams` between measurements;
+    - `kl_budget`: nats, a number or one per anchor; lam_t starts at `lam` and is then set by the controller on the
+      measured KL (`kl_control.KLControl`);
     - `predicted_kl_budget`: nats, a number or one per anchor; lam_t solved at each step so that the predicted KL
       0.5 Delta^T F Delta stays within it and no harder (`CFPState.budget_lams`).
     """
@@ -88,9 +88,8 @@ class Strength:
         return cls(start, budget, None, False, num_anchors)
 
     def lams(self, step: int, learning_rate: float | None, protection: CFPState) -> list[float]:
-        """lam_t of each protecting anchor for the optimizer step `step` just taken (at `learning_rate`)."""
-        if self.kl_budget is not None:
-            return list(protection.lams)  # the controller's, since the last measurement
+        """lam_t of each protecting anchor for the optimizer step `step` just taken (at `learning_rate`); under
+        `kl_budget` the controller's (`kl_control.KLControl.lams`) instead."""
         if self.predicted_kl_budget is not None:
             return protection.budget_lams(self.predicted_kl_budget)
         # a schedule's value is checked at each step; a constant was checked once, in from_arguments
@@ -112,8 +111,7 @@ class Strength:
         if self.kl_budget is not None:
             return (
                 f"CFP [{anchors}]: kl_budget {_numbers(self.kl_budget)} nats of measured KL on kl_prompts; lam_t "
-                f"starts at {_numbers(self.start)} and moves by at most 20% per measurement (PPO's adaptive KL "
-                "controller)."
+                f"starts at {_numbers(self.start)}, then the kl_control rule sets it from the measurements."
             )
         if self.predicted_kl_budget is not None:
             return (

@@ -227,6 +227,18 @@ class CFPState:
 
         return solve_budget(evaluate, budgets, self.lams, tolerance)
 
+    @property
+    def solves_budget(self) -> bool:
+        """Whether `budget_lams` can solve the lams here: a dense plan, no LoRA-adapted weight, no weight under
+        several protecting anchors one of which is K-FAC."""
+        return self.sparse is None and not self.adapted and not self.summed
+
+    def predicted_kls(self) -> list[float]:
+        """Each protecting anchor's predicted KL 0.5 Delta^T F_k Delta of the displacement in the parameters now
+        (the terms `budget_lams` evaluates, at lams 0; dense plans, no LoRA-adapted weight)."""
+        zeros = [0.0] * len(self.protecting)
+        return complete(self.geometries, [g.budget_terms(zeros) for g in self.geometries])[0].tolist()
+
     def drift_metrics(self) -> dict[str, float]:
         """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift`, `cfp/<anchor>/predicted_kl` = 0.5
         sensitive_drift^2 per anchor, `cfp/<anchor>/lam` (of the last correction) per protecting anchor, and

@@ -1,6 +1,6 @@
 """`python scripts/kl_budget_run.py --tiny`: kl_budget in the long run's SFT pipeline on the tiny model. Checked: the
-measured KL is logged at every measurement, lam moves from its start by PPO's rule applied to the logged KL (an
-independent replay of the controller), and the held-out checks come at their steps."""
+measured KL is logged at every measurement, lam moves from its start by PPO's rule (`--control adaptive`) applied to
+the logged KL (an independent replay of the controller), and the held-out checks come at their steps."""
 
 import json
 
@@ -15,7 +15,18 @@ needs("trl", "datasets")
 
 def test_the_tiny_run_logs_every_measurement_and_lam_follows_the_rule(tmp_path):
     done = run_tiny(
-        "kl_budget_run.py", tmp_path, "--steps", "8", "--every", "2", "--check-every", "4", "--budget", "0.1"
+        "kl_budget_run.py",
+        tmp_path,
+        "--steps",
+        "8",
+        "--every",
+        "2",
+        "--check-every",
+        "4",
+        "--budget",
+        "0.1",
+        "--control",
+        "adaptive",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "kl_budget.json").read_text())
