@@ -32,7 +32,7 @@ from support.distributed import (
     make_callback,
     make_model,
     restored_in_one_process,
-    run_worker,
+    run_deepspeed_worker,
     save_one_process_theta0,
     trainer_run,
 )
@@ -43,21 +43,8 @@ from support.extras import requires
 def worker_out(tmp_path_factory):
     """The worker's output folder (rank<r>.pt, its checkpoints); before launching, this process saves
     theta0 into one-process/ for the workers to restore."""
-    # Imported here, not at collection: importing deepspeed takes seconds, and only this module needs it.
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is not installed or fails to import (pip install deepspeed)",
-        exc_type=ImportError,
-    )
     out = tmp_path_factory.mktemp("deepspeed")
-    run = run_worker(
-        "deepspeed_worker.py",
-        out,
-        save_one_process_theta0(out / "one-process"),
-        timeout=900,  # the first run builds a C++ extension
-        env={"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true"},
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    run_deepspeed_worker("deepspeed_worker.py", out, save_one_process_theta0(out / "one-process"))
     return out
 
 

@@ -22,7 +22,7 @@ from support.distributed import (
     make_kfac_callback,
     make_model,
     restored_in_one_process,
-    run_worker,
+    run_deepspeed_worker,
     trainer_run,
 )
 
@@ -39,22 +39,8 @@ def anchors(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def worker_out(anchors, tmp_path_factory):
-    pytest.importorskip(
-        "deepspeed",
-        reason="DeepSpeed is not installed or fails to import (pip install deepspeed)",
-        exc_type=ImportError,
-    )
     out = tmp_path_factory.mktemp("kfac-deepspeed")
-    run = run_worker(
-        "kfac_deepspeed_worker.py",
-        out,
-        anchors["full"],
-        anchors["tailed"],
-        anchors["safety"],
-        timeout=900,  # the first run builds DeepSpeed's CPU extension
-        env={"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true"},
-    )
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    run_deepspeed_worker("kfac_deepspeed_worker.py", out, anchors["full"], anchors["tailed"], anchors["safety"])
     return out
 
 

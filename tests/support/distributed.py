@@ -43,6 +43,24 @@ def run_worker(script, *args, env=None, **kwargs):
     return torchrun(WORKERS / script, *args, env=_worker_env(env), **kwargs)
 
 
+def run_deepspeed_worker(script, out, *args):
+    """`run_worker` of a DeepSpeed worker on the CPU into `out` (skipped, saying why, when deepspeed cannot be
+    imported: imported here, not at collection, as it takes seconds); asserts it succeeded."""
+    pytest.importorskip(
+        "deepspeed",
+        reason="DeepSpeed is not installed or fails to import (pip install deepspeed)",
+        exc_type=ImportError,
+    )
+    run = run_worker(
+        script,
+        out,
+        *args,
+        timeout=900,  # the first run builds DeepSpeed's CPU communication extension
+        env={"DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true"},
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+
+
 def launch_worker(script, *args, config_file, launch_args=(), env=None):
     """tests/workers/<script> through the real `accelerate launch --config_file <config_file>` on the CPU
     (`support.tiny.accelerate_launch`), with `tests/` and `scripts/` on PYTHONPATH; returns the CompletedProcess."""
