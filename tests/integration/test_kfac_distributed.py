@@ -140,6 +140,9 @@ def test_fsdp2_rotates_row_shards_and_equals_one_process(ranks, anchors, suffix)
 def test_fsdp1_corrects_flat_pieces_that_cut_rows_and_equals_one_process(ranks, anchors, mode, suffix):
     cut = [r[f"{mode}{suffix}_cut"] for r in ranks]
     assert any(cut), "no piece cut a row: the test would not exercise the reduce of M"
+    for r in ranks:  # each process binds U_G's rows for the rows its piece touches, no more
+        for start, stop, width, bound in r[f"{mode}{suffix}_rows"]:
+            assert bound == (-(-stop // width) - start // width if stop > start else 0), (start, stop, width, bound)
     model = make_model()
     single_logs = loop_run(model, make_kfac_callback(anchors[suffix]), make_rows())
     plain = make_model()

@@ -104,12 +104,14 @@ def fsdp1_run(anchor, rank: int, world: int, mode: str, use_orig_params: bool) -
     logs = loop_run(model, callback, make_rows()[rank::world])
     with FullyShardedDataParallel.summon_full_params(model):
         params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    cut = [
-        t.name
-        for t in callback.protection.tensors
-        if t.kfac and t.held.start % t.kfac["math"].a_vectors.shape[0] and t.held.stop > t.held.start
+    factored = [t for t in callback.protection.tensors if t.kfac]
+    cut = [t.name for t in factored if t.held.start % t.kfac["math"].a_vectors.shape[0] and t.held.stop > t.held.start]
+    # (start, stop, in, rows of U_G bound) of each K-FAC weight's piece
+    rows = [
+        (t.held.start, t.held.stop, t.kfac["math"].a_vectors.shape[0], t.kfac["math"].g_vectors.shape[0])
+        for t in factored
     ]
-    return {f"{mode}_logs": logs, f"{mode}_params": params, f"{mode}_cut": cut}
+    return {f"{mode}_logs": logs, f"{mode}_params": params, f"{mode}_cut": cut, f"{mode}_rows": rows}
 
 
 if __name__ == "__main__":
