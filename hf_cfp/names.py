@@ -96,7 +96,7 @@ FREE_DRIFT = LoggedMetric(
 TOTAL_DRIFT = LoggedMetric("cfp/total_drift", "`norm(Delta)` over every covered parameter", "every logging step")
 LAM = LoggedMetric(
     "cfp/<anchor>/lam",
-    "the lam_t of the step (with `kl_budget` under `kl_control=\"adaptive\"`: the controller's latest, which a "
+    'the lam_t of the step (with `kl_budget` under `kl_control="adaptive"`: the controller\'s latest, which a '
     "measurement at this step has set)",
     "every logging step, per protecting anchor",
 )

@@ -17,7 +17,7 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   of the last two measurements (rho'_k measured d steps before, the next one n steps ahead; g_k = 1 after the first,
   and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
   predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at most
-  `cap_k` = MAX_PULL / p99(F_k),
+  `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
   a pull of MAX_PULL at the 99th percentile of F_k (a warning says when the cap binds: the budget may then not be
   met). Until the first measurement with KL_k > 0 and Q_k > 0, lam_t is the starting `lam`.
 - "adaptive": PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
@@ -35,6 +35,7 @@ from typing import Any
 
 from transformers.utils import logging
 
+from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, CFPError
 from ..evaluation import BaseResponses, KLEstimate, draw_base_responses
 from ..fisher.token_ids import to_token_ids
@@ -174,9 +175,15 @@ class KLControl:
 
     @classmethod
     def of(
-        cls, measurement: KLMeasurement, protection: CFPState, budgets: Sequence[float], start: Sequence[float]
+        cls,
+        measurement: KLMeasurement,
+        protection: CFPState,
+        budgets: Sequence[float],
+        start: Sequence[float],
+        anchors: Sequence[FisherAnchor],
     ) -> "KLControl":
-        """The controller of a measurement whose responses are drawn (`KLMeasurement.drawn`), from lams `start`."""
+        """The controller of a measurement whose responses are drawn (`KLMeasurement.drawn`), from lams `start`, for
+        the protecting `anchors` (their F's 99th percentile sets the caps)."""
         names = protection.protecting
         rule = measurement.rule
         if rule == "feedforward" and not protection.solves_budget:
@@ -186,7 +193,7 @@ class KLControl:
                 "or several protecting anchors on one K-FAC weight); kl_control='adaptive' holds the budget instead.",
             )
             rule = "adaptive"
-        caps = tuple(_cap(protection, k) for k in range(len(names))) if rule == "feedforward" else ()
+        caps = tuple(_cap(anchor) for anchor in anchors) if rule == "feedforward" else ()
         responses = tuple(measurement.prompts[name] for name in names)
         return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
 
@@ -276,10 +283,9 @@ def trend(before: Sequence[float], now: Sequence[float], since: int, ahead: int)
     return [min(max((r / b) ** (ahead / since), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)]
 
 
-def _cap(protection: CFPState, k: int) -> float:
-    """MAX_PULL / p99(F_k) over the protected coordinates (inf where F_k is 0 there)."""
-    unit = [1.0 if j == k else 0.0 for j in range(len(protection.protecting))]
-    p99 = protection.pull_profile(unit)[2]
+def _cap(anchor: FisherAnchor) -> float:
+    """MAX_PULL / p99(F) of the anchor (its statistics, the same on every process; inf for p99 = 0)."""
+    p99 = float((anchor.metadata.get("statistics") or anchor.statistics())["p99"])
     return MAX_PULL / p99 if p99 > 0 else math.inf
 
 

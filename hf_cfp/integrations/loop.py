@@ -89,7 +89,7 @@ class CFP:
         if budget is None or measurement is None:
             return None
         self.protection.lams = list(settings.strength.start)
-        return KLControl.of(measurement, self.protection, budget, settings.strength.start)
+        return KLControl.of(measurement, self.protection, budget, settings.strength.start, self.anchors)
 
     def step(self, step: int | None = None, lr: float | None = None, measure_residual: bool = False) -> list[float]:
         """Correct the weights after an optimizer step: theta <- theta0 + (theta - theta0) / (1 + sum_k lam_k,t F_k)

@@ -103,7 +103,8 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
 
 
 def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(monkeypatch):
-    """With MAX_PULL small the cap binds: lam_t = MAX_PULL / p99(F) over the protected coordinates."""
+    """With MAX_PULL small the cap binds: lam_t = MAX_PULL / p99(F) over the anchor's coordinates (a quantile of the
+    concatenated F, against the anchor's streamed statistics)."""
     monkeypatch.setattr(kl_control, "MAX_PULL", 1e-3)
     base, rows = tiny_llama(), full_batch_rows()
     anchor = random_anchor(base)
