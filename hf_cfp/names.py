@@ -120,6 +120,12 @@ MEASURED_KL = LoggedMetric(
     "the KL to the base on the base responses of `kl_prompts` at the last measurement, nats: what `kl_budget` holds",
     "every logging step with `kl_budget` (measured every `kl_every` steps), per protecting anchor",
 )
+LAM_CAPPED = LoggedMetric(
+    "cfp/<anchor>/lam_capped",
+    "1 when the step's lam_t was held at its cap (a pull of 1e4 at the 99th percentile of F): the budget may not be "
+    "met, and a warning said so; else 0",
+    'every logging step with `kl_budget` under `kl_control="feedforward"`, per protecting anchor',
+)
 KL_TO_BASE = LoggedMetric(
     "cfp/<name>/kl_to_base",
     "the KL from the base model to the current one, estimated on the base model's sampled responses to "
@@ -140,6 +146,7 @@ LOGGED_METRICS = (
     SUMMED_ITERATIONS,
     TOP1_OVERLAP_NOW,
     MEASURED_KL,
+    LAM_CAPPED,
     KL_TO_BASE,
     KL_TO_BASE_STDERR,
 )

@@ -18,8 +18,9 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
   predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at most
   `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
-  a pull of MAX_PULL at the 99th percentile of F_k (a warning says when the cap binds: the budget may then not be
-  met). Until the first measurement with KL_k > 0 and Q_k > 0, lam_t is the starting `lam`.
+  a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
+  met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
+  lam_t is the starting `lam`.
 - "adaptive": PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
   lam_k <- lam_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)), kept between measurements. The feed-forward rule falls back
   to it where the predicted KL has no closed-form solve: LoRA-adapted weights, a sparse plan, several protecting
@@ -39,7 +40,7 @@ from ..anchor import FisherAnchor
 from ..errors import CFPArgumentError, CFPError
 from ..evaluation import BaseResponses, KLEstimate, draw_base_responses
 from ..fisher.token_ids import to_token_ids
-from ..names import MEASURED_KL
+from ..names import LAM_CAPPED, MEASURED_KL
 from ..parallel import log_on_main_process
 from ..protection import CFPState
 
@@ -171,7 +172,8 @@ class KLControl:
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
     ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
-    _capped: set[str] = field(default_factory=set)
+    capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
+    _warned: set[str] = field(default_factory=set)
 
     @classmethod
     def of(
@@ -211,9 +213,10 @@ class KLControl:
         if self.targets is None:
             return list(self.held)
         solved = protection.budget_lams(self.targets)
+        self.capped = [lam > cap for lam, cap in zip(solved, self.caps, strict=True)]
         for name, lam, cap, budget in zip(self.names, solved, self.caps, self.budgets, strict=True):
-            if lam > cap and name not in self._capped:
-                self._capped.add(name)
+            if lam > cap and name not in self._warned:
+                self._warned.add(name)
                 log_on_main_process(
                     logger.warning,
                     "CFP kl_budget: holding %s's measured KL at %g nats needs lam_t %.3g, above its cap %.3g (a pull "
@@ -248,8 +251,13 @@ class KLControl:
         return estimates
 
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:
-        """{`cfp/<anchor>/measured_kl`: KL} of the last measurement."""
-        return {MEASURED_KL.key(name): e.kl for name, e in zip(self.names, estimates, strict=True)}
+        """{`cfp/<anchor>/measured_kl`: KL} of the last measurement, and under the feed-forward rule
+        {`cfp/<anchor>/lam_capped`: 1 or 0} of the last step."""
+        metrics = {MEASURED_KL.key(name): e.kl for name, e in zip(self.names, estimates, strict=True)}
+        if self.rule == "feedforward":
+            capped = self.capped or [False] * len(self.names)
+            metrics.update({LAM_CAPPED.key(name): float(c) for name, c in zip(self.names, capped, strict=True)})
+        return metrics
 
     def state(self, lams: Sequence[float]) -> dict[str, Any]:
         """What a resumed run needs: the last lams (`lams`), the rule's state and every anchor's base responses

@@ -100,6 +100,7 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
 
     adamw_loop(model, rows, 12, after_step=after_step)
     assert measured == [1, 2, 4, 8, 12] and target is not None and capped
+    assert protector.metrics()["cfp/math/lam_capped"] == float(capped[-1] == 12)
 
 
 def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(monkeypatch):
@@ -115,6 +116,7 @@ def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(m
     f = torch.cat([anchor.fisher[n].reshape(-1).double() for n, p in model.named_parameters() if n in anchor.fisher])
     cap = 1e-3 / torch.quantile(f, 0.99).item()
     assert lams[0] == 0.5 and lams[-1] == pytest.approx(cap, rel=1e-3)
+    assert protector.metrics()["cfp/math/lam_capped"] == 1.0
 
 
 def test_the_measured_kl_is_held_within_a_quarter_of_the_budget():
