@@ -16,7 +16,9 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   the measured KL meets the budget if the ratio keeps the trend g_k = clip((rho_k / rho'_k)^(n/d), 1, MAX_GROWTH)
   of the last two measurements (rho'_k measured d steps before, the next one n steps ahead; g_k = 1 after the first,
   and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
-  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at most
+  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at least the
+  starting `lam` until a measurement passes APPROACH B_k (while lam_t = 0 the run moves along directions F hardly
+  sees, and the ratio jumps: docs/reports/strength.md), at most
   `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
   a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
   met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
@@ -49,6 +51,7 @@ logger = logging.get_logger(__name__)
 RULES = ("feedforward", "adaptive")
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
+APPROACH = 0.75  # the feed-forward rule keeps lam_t >= the start until a measurement passes APPROACH B
 MAX_GROWTH = 2.0  # the largest growth of the ratio KL / Q the feed-forward rule extrapolates to the next measurement
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
@@ -172,6 +175,7 @@ class KLControl:
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
     ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
+    approached: list[bool] = field(default_factory=list)  # per anchor, whether a measurement passed APPROACH B_k
     capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
     _warned: set[str] = field(default_factory=set)
 
@@ -197,7 +201,9 @@ class KLControl:
             rule = "adaptive"
         caps = tuple(_cap(anchor) for anchor in anchors) if rule == "feedforward" else ()
         responses = tuple(measurement.prompts[name] for name in names)
-        return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
+        control = cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
+        control.approached = [False] * len(names)
+        return control
 
     def due(self, step: int) -> bool:
         """Whether `step` is measured: every `every` steps, and at 1, 2, 4, ... before the first (feed-forward)."""
@@ -229,7 +235,8 @@ class KLControl:
                     cap,
                     MAX_PULL,
                 )
-        return [min(lam, cap) for lam, cap in zip(solved, self.caps, strict=True)]
+        floors = [0.0 if near else start for near, start in zip(self.approached, self.held, strict=True)]
+        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, floors, self.caps, strict=True)]
 
     def update(self, model, protection: CFPState, lams: Sequence[float], step: int) -> list[KLEstimate]:
         """Measure the KL of each anchor on `model` now (after the correction with `lams`) and update the rule's
@@ -239,6 +246,9 @@ class KLControl:
         if self.rule == "adaptive":  # the lams of the steps that follow, logged from now
             self.held = protection.lams = controlled_lams(lams, kls, self.budgets)
             return estimates
+        self.approached = [
+            near or kl > APPROACH * b for near, kl, b in zip(self.approached, kls, self.budgets, strict=True)
+        ]
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
             ratios = [kl / q for kl, q in zip(kls, predicted, strict=True)]
@@ -267,6 +277,7 @@ class KLControl:
             "held": list(self.held),
             "targets": self.targets,
             "ratios": self.ratios,
+            "approached": self.approached,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
         }
 
@@ -277,6 +288,7 @@ class KLControl:
         self.targets = [float(t) for t in targets] if targets is not None else None
         ratios = state.get("ratios")
         self.ratios = (int(ratios[0]), [float(r) for r in ratios[1]]) if ratios is not None else None
+        self.approached = [bool(near) for near in state.get("approached", [False] * len(self.names))]
         return [float(lam) for lam in state["lams"]]
 
     def save(self, directory: str | Path, lams: Sequence[float]) -> None:

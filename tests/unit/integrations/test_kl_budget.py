@@ -65,21 +65,22 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
     """kl_every=4 over 12 steps: measured at 1, 2, 4, 8, 12. After a measurement with KL > 0 the target is
     T = B / (rho g), rho = KL / Q (Q: the logged predicted KL, KL: kl_to_base from a copy of the base) and g the
     ratio's growth since the last measurement carried to the next, clipped to [1, 2]; from then on each step's lam is
-    0 with the predicted KL it leaves within T, or leaves it at T (the solve's 1% tolerance), or is the cap (the random
-    anchor's F is far from the model's: the ratio climbs, and the cap binds at step 9); before, lam is the start."""
+    its floor (the start until a measurement passes 0.75 B, then 0) with the predicted KL it leaves within T, or
+    leaves it at T (the solve's 1% tolerance), or is the cap (the random anchor's F is far from the model's: the ratio
+    climbs, and the cap binds at step 9); before, lam is the start."""
     base, rows = tiny_llama(), full_batch_rows()
     model, budget = copy.deepcopy(base), 0.02
     protector = CFP(model, random_anchor(base), lam=0.5, kl_budget=budget, kl_prompts=draw(base), kl_every=4)
-    control, measured, capped, target, last = protector.control, [], [], None, None
+    control, measured, capped, target, last, approached = protector.control, [], [], None, None, False
     next_measured = {1: 2, 2: 4, 4: 8, 8: 12, 12: 16}
 
     def after_step():
-        nonlocal target, last
+        nonlocal target, last, approached
         lams = protector.step()
         predicted = protector.metrics()["cfp/math/predicted_kl"]
         if target is None:
             assert lams == [0.5]
-        elif lams[0] == 0:
+        elif lams[0] == (0.0 if approached else 0.5):  # the floor binds
             assert predicted <= target * 1.01
         elif lams[0] == control.caps[0]:  # the cap binds: the target is not reached
             assert predicted > target
@@ -90,6 +91,8 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
             measured.append(protector.steps)
             kl = kl_to_base(base, model, None, PROMPTS, **DRAW)
             assert protector.measured[0].kl == pytest.approx(kl, rel=1e-9, abs=1e-12)
+            approached = approached or kl > 0.75 * budget
+            assert control.approached == [approached]
             if kl > 0:
                 step, ratio = protector.steps, kl / predicted
                 growth = 1.0
@@ -99,7 +102,7 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
                 assert control.targets == pytest.approx([target], rel=1e-6)
 
     adamw_loop(model, rows, 12, after_step=after_step)
-    assert measured == [1, 2, 4, 8, 12] and target is not None and capped
+    assert measured == [1, 2, 4, 8, 12] and target is not None and capped and approached
     assert protector.metrics()["cfp/math/lam_capped"] == float(capped[-1] == 12)
 
 
