@@ -51,12 +51,13 @@ class Checks(TrainerCallback):
     the held-out task gain (the long run's `task/sft_gain`: the mean per-token log-likelihood gain of the pirate
     answers of the held-out prompts over the base model's)."""
 
-    def __init__(self, heldout, task: "TaskGain", every: int):
-        self.heldout, self.task, self.every, self.logged, self.checks = heldout, task, every, [], []
+    def __init__(self, heldout, task: "TaskGain", every: int, anchor: str):
+        self.heldout, self.task, self.every, self.anchor = heldout, task, every, anchor
+        self.logged, self.checks = [], []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and MEASURED_KL.key("math") in logs:
-            kl, lam = logs[MEASURED_KL.key("math")], logs[LAM.key("math")]
+        if logs and MEASURED_KL.key(self.anchor) in logs:
+            kl, lam = logs[MEASURED_KL.key(self.anchor)], logs[LAM.key(self.anchor)]
             self.logged.append({"step": state.global_step, "kl": kl, "lam": lam})
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
     cfp = CFPCallback(
         anchor, lam=lam, kl_budget=args.budget, kl_prompts=measured, kl_every=args.every, kl_control=args.control
     )
-    checks = Checks(heldout, TaskGain(model, tokenizer, heldout_items), args.check_every)
+    checks = Checks(heldout, TaskGain(model, tokenizer, heldout_items), args.check_every, anchor.name)
     # the long run's SFT settings, `steps` long, logging at every measurement
     plan = replace(plan, steps=args.steps, points=args.steps // args.every)
     factory = TrainerFactory(model, tokenizer, plan, items, None)

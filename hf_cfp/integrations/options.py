@@ -96,13 +96,15 @@ class ProtectionOptions:
         "responses of `kl_prompts`.",
     )
     kl_control: str = option(
-        "feedforward",
-        help='How `kl_budget` sets lam_t. `"feedforward"`: each measurement rescales a target on the predicted KL '
-        "0.5 Delta^T F Delta by budget / measured KL, and at every step lam_t is solved so that the predicted KL of "
-        "the step holds that target (0 while under it, at most a pull of 1e4 at the 99th percentile of F). "
-        '`"adaptive"`: PPO\'s adaptive KL controller, lam_k <- lam_k (1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) '
-        "at each measurement, the rule used where the predicted KL has no closed-form solve (LoRA-adapted weights, "
-        "a sparse plan, several protecting anchors on one K-FAC weight).",
+        "adaptive",
+        help='How `kl_budget` sets lam_t. `"adaptive"` (the default): PPO\'s adaptive KL controller, lam_k <- lam_k '
+        '(1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) at each measurement. `"feedforward"` (experimental: on the '
+        "embedded model it held a diagonal anchor's KL closer once there but oscillated with a K-FAC anchor, "
+        "docs/reports/strength.md): each measurement rescales a target on the predicted KL 0.5 Delta^T F Delta by "
+        "budget / measured KL, and at every step lam_t is solved so that the predicted KL of the step holds that "
+        "target (at least the starting lam until a measurement passes 0.75 of the budget, at most a pull of 1e4 at "
+        "the 99th percentile of F); where the predicted KL has no closed-form solve (LoRA-adapted weights, a sparse "
+        "plan, several protecting anchors on one K-FAC weight) the adaptive rule is used instead.",
     )
     predicted_kl_budget: float | Sequence[float] | None = option(
         None,
