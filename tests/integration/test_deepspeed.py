@@ -28,10 +28,9 @@ from support.distributed import (
     ROWS,
     check_lora_equals_one_process,
     check_pieces_equal_initial,
-    initial_params,
+    check_restores_initial_in_one_process,
     make_callback,
     make_model,
-    restored_in_one_process,
     run_deepspeed_worker,
     save_one_process_theta0,
     trainer_run,
@@ -127,10 +126,7 @@ def test_zero3_restores_theta0_saved_by_one_process(ranks):
 def test_zero3_checkpoint_restores_in_one_process(worker_out):
     """theta0 saved by the 2 ZeRO-3 processes (one file of partitions each), read here on a plain
     model whose weights moved: the initial full weights, exactly."""
-    state = restored_in_one_process(worker_out / "zero3_partitioned" / f"checkpoint-{RESUME_STEP}")
-    initial = initial_params()
-    assert state.names == list(initial)
-    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
+    check_restores_initial_in_one_process(worker_out / "zero3_partitioned" / f"checkpoint-{RESUME_STEP}")
 
 
 @requires("peft")

@@ -17,11 +17,10 @@ from support.distributed import (
     RESUME_STEP,
     ROWS,
     SAFETY_PROMPTS,
+    check_restores_initial_in_one_process,
     estimate_kfac_anchor,
-    initial_params,
     make_kfac_callback,
     make_model,
-    restored_in_one_process,
     run_deepspeed_worker,
     trainer_run,
 )
@@ -95,10 +94,7 @@ def test_zero3_with_kfac_anchor_resumes_bit_identically(ranks):
 def test_zero3_kfac_checkpoint_restores_theta0_in_one_process(worker_out):
     """theta0 saved by the 2 ZeRO-3 processes of the K-FAC run (one file of partitions each), read here on a plain
     model whose weights moved: the initial full weights, exactly."""
-    state = restored_in_one_process(worker_out / "zero3_tailed" / f"checkpoint-{RESUME_STEP}")
-    initial = initial_params()
-    assert state.names == list(initial)
-    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
+    check_restores_initial_in_one_process(worker_out / "zero3_tailed" / f"checkpoint-{RESUME_STEP}")
 
 
 def test_zero_with_summed_anchors_is_refused_with_what_to_do(ranks):

@@ -289,6 +289,15 @@ def restored_in_one_process(directory):
     return make_state(model, theta0=SavedTheta0(directory))
 
 
+def check_restores_initial_in_one_process(directory):
+    """theta0 saved in `directory` by several processes, read in this one (`restored_in_one_process`): the initial
+    full weights, exactly."""
+    state = restored_in_one_process(directory)
+    initial = initial_params()
+    assert state.names == list(initial)
+    assert all(torch.equal(t0, initial[n]) for n, t0 in zip(state.names, state.theta0, strict=True))
+
+
 def save_one_process_theta0(directory):
     """theta0 of the unsharded model saved by this (single) process, as a checkpoint of a 1-process run."""
     Path(directory).mkdir(parents=True, exist_ok=True)
