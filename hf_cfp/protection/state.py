@@ -162,6 +162,7 @@ class CFPState:
             lams, anchors = plural(len(self.lams), "lam"), plural(len(self.protecting), "protecting anchor")
             raise CFPArgumentError(f"{lams} for {anchors} {self.protecting}: give one lam per anchor.")
         if not any(self.lams):
+            self.kronecker.forget()  # what a solve kept is of this step's weights only
             return
         if self.master is not None:  # ZeRO-1/2: the corrected LoRA factors are carried into the fp32 master copy
             self.master.carry(lambda: self.adapters.correct(self.lams, measure_residual))
@@ -225,6 +226,7 @@ class CFPState:
         def evaluate(lams: Sequence[float]) -> torch.Tensor:
             return complete(self.geometries, [geometry.budget_terms(lams) for geometry in self.geometries])
 
+        self.kronecker.forget()  # project the weights as they are now, kept for the correction that follows
         return solve_budget(evaluate, budgets, self.lams, tolerance)
 
     @property
@@ -237,7 +239,10 @@ class CFPState:
         """Each protecting anchor's predicted KL 0.5 Delta^T F_k Delta of the displacement in the parameters now
         (the terms `budget_lams` evaluates, at lams 0; dense plans, no LoRA-adapted weight)."""
         zeros = [0.0] * len(self.protecting)
-        return complete(self.geometries, [g.budget_terms(zeros) for g in self.geometries])[0].tolist()
+        self.kronecker.forget()
+        predicted = complete(self.geometries, [g.budget_terms(zeros) for g in self.geometries])[0].tolist()
+        self.kronecker.forget()  # a correction without a solve projects afresh
+        return predicted
 
     def drift_metrics(self) -> dict[str, float]:
         """`cfp/<anchor>/sensitive_drift`, `cfp/<anchor>/free_drift`, `cfp/<anchor>/predicted_kl` = 0.5

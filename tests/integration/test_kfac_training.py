@@ -62,6 +62,40 @@ def test_kl_budget_holds_the_kfac_prediction_at_every_step(anchor_dir, tmp_path)
     assert any(row[LAM.key("math")] > 0 for row in steps)  # the budget was reached and held by a pull
 
 
+def budget_path(anchor_dir, fused, budget, steps=8):
+    """A loop-API run under predicted_kl_budget with torch.optim.AdamW (fused or foreach); after every step, the
+    lam, the predicted KL the protection solves with (`predicted_kls`) and the one it logs (from the drift sums)."""
+    model = tiny_llama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2, fused=fused, foreach=not fused)
+    protector = CFP(model, str(anchor_dir), predicted_kl_budget=budget, optimizer=optimizer)
+    ids = torch.randint(0, 32, (4, 10), generator=torch.Generator().manual_seed(0))
+    path = []
+    for _ in range(steps):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        lams = protector.step()
+        path.append((lams[0], protector.protection.predicted_kls()[0], protector.metrics()[PREDICTED_KL.key("math")]))
+    return path, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_the_budget_solve_sees_the_weights_a_fused_optimizer_wrote(anchor_dir):
+    """A fused AdamW (the Trainer's default optimizer) writes the weights without bumping their version counters:
+    the solve must not reuse projections of the weights from before its step. Under fused AdamW the path (lams,
+    predicted KL, weights) is the foreach one's, lam_t = 0 on the free steps and > 0 once the budget binds, and the
+    predicted KL the solve uses is the logged one, summed afresh."""
+    free, _ = budget_path(anchor_dir, fused=False, budget=1e9)
+    budget = (free[2][2] + free[3][2]) / 2  # the free path leaves it at step 4
+    foreach, foreach_weights = budget_path(anchor_dir, fused=False, budget=budget)
+    fused, fused_weights = budget_path(anchor_dir, fused=True, budget=budget)
+    assert [lam for lam, _, _ in fused[:3]] == [0.0] * 3 and all(lam > 0 for lam, _, _ in fused[3:]), fused
+    assert [v for row in fused for v in row] == pytest.approx([v for row in foreach for v in row], rel=1e-4)
+    assert all(solved == pytest.approx(logged, rel=1e-9) for _, solved, logged in fused)
+    assert all(q <= budget * (1 + 1e-6) for _, q, _ in fused)
+    for name, weight in fused_weights.items():
+        assert torch.allclose(weight, foreach_weights[name], atol=1e-5), name
+
+
 def test_loop_api_state_dict_resumes_bit_for_bit(anchor_dir):
     def steps(model, protector, optimizer, count):
         ids = torch.randint(0, 32, (4, 10), generator=torch.Generator().manual_seed(count))

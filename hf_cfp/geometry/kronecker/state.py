@@ -167,7 +167,7 @@ class KroneckerTensors:
         ]
         self.thresholds = {name: view.threshold for name, view in views.items()}
         self.protecting = list(protecting)
-        self._proposal: tuple[tuple[int, ...], list[list[Projection]]] | None = None  # by param versions
+        self._proposal: list[list[Projection]] | None = None  # from a budget solve to the correction after it
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -175,26 +175,27 @@ class KroneckerTensors:
     def protected(self) -> list[tuple[int, "_Factored | FlatPieces"]]:
         return [(self.protecting.index(g.anchor), g) for g in self.groups if g.anchor in self.protecting]
 
-    def _versions(self) -> tuple[int, ...]:
-        return tuple(t.local()._version for _, g in self.protected() for b in g.batches for t in b.tensors)
-
     def proposal(self) -> list[list[Projection]]:
-        """The protected weights' projected proposals, per group and batch (kept until the weights change: the KL
-        budget's solve and the correction that follows it project once; held meanwhile: r_G x r_A floats per
-        weight, and with a tail (out + in) r more)."""
-        versions = self._versions()
-        if self._proposal is None or self._proposal[0] != versions:
-            self._proposal = (versions, [g.proposals() for _, g in self.protected()])
-        return self._proposal[1]
+        """The protected weights' projected proposals, per group and batch, kept until `forget` or the correction
+        (the KL budget's solve and the correction that follows it project once; held meanwhile: r_G x r_A floats
+        per weight, and with a tail (out + in) r more)."""
+        if self._proposal is None:
+            self._proposal = [g.proposals() for _, g in self.protected()]
+        return self._proposal
+
+    def forget(self) -> None:
+        """Drop the kept proposals: the weights may have changed since. `CFPState` calls it before every solve, since
+        an optimizer may write the weights without a trace (a fused AdamW leaves their version counters as they
+        were)."""
+        self._proposal = None
 
     def correct(self, lams: Sequence[float]) -> None:
         """Delta <- the proximal map of (lam / 2) tr(X^T G_r X A_r) at the proposal (`basis.kfac_pull_`) on every
         protected weight, with its anchor's lam: from the kept proposals after a budget solve, else projecting one
         batch at a time (its temporaries: a few stacks of BATCH weights)."""
-        kept = self._proposal[1] if self._proposal is not None and self._proposal[0] == self._versions() else None
+        kept, self._proposal = self._proposal, None
         for n, (k, group) in enumerate(self.protected()):
             group.pull_(lams[k], kept[n] if kept is not None else None)
-        self._proposal = None
 
     def drift_squares(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(replicated, sharded) float64 [1 + 2V]: per anchor v, sum gamma alpha R^2 at 1 + 2v and the free part at
