@@ -201,9 +201,8 @@ class KLControl:
             rule = "adaptive"
         caps = tuple(_cap(anchor) for anchor in anchors) if rule == "feedforward" else ()
         responses = tuple(measurement.prompts[name] for name in names)
-        control = cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
-        control.approached = [False] * len(names)
-        return control
+        far = [False] * len(names)  # no measurement has passed APPROACH B_k yet
+        return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps, approached=far)
 
     def due(self, step: int) -> bool:
         """Whether `step` is measured: every `every` steps, and at 1, 2, 4, ... before the first (feed-forward)."""

@@ -101,11 +101,11 @@ class ProtectionOptions:
         '(1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) at each measurement. `"feedforward"` (experimental: on the '
         "embedded model its floor kept a K-FAC anchor's KL far under the budget all run, and with a diagonal anchor "
         "it overshot before the floor existed, docs/reports/strength.md): each measurement rescales a target on "
-        "the predicted KL 0.5 Delta^T F Delta by "
-        "budget / measured KL, and at every step lam_t is solved so that the predicted KL of the step holds that "
-        "target (at least the starting lam until a measurement passes 0.75 of the budget, at most a pull of 1e4 at "
-        "the 99th percentile of F); where the predicted KL has no closed-form solve (LoRA-adapted weights, a sparse "
-        "plan, several protecting anchors on one K-FAC weight) the adaptive rule is used instead.",
+        "the predicted KL 0.5 Delta^T F Delta by budget / measured KL, and at every step lam_t is solved so that the "
+        "predicted KL of the step holds that target (at least the starting lam until a measurement passes 0.75 of "
+        "the budget, at most a pull of 1e4 at the 99th percentile of F); where the predicted KL has no closed-form "
+        "solve (LoRA-adapted weights, a sparse plan, several protecting anchors on one K-FAC weight) the adaptive "
+        "rule is used instead.",
     )
     predicted_kl_budget: float | Sequence[float] | None = option(
         None,
