@@ -124,7 +124,7 @@ LAM_CAPPED = LoggedMetric(
     "cfp/<anchor>/lam_capped",
     "1 when the step's lam_t was held at its cap (a pull of 1e4 at the 99th percentile of F): the budget may not be "
     "met, and a warning said so; else 0",
-    'every logging step with `kl_budget` under `kl_control="feedforward"` or `"tracking"`, per protecting anchor',
+    'every logging step with `kl_budget` under `kl_control="feedforward"`, per protecting anchor',
 )
 KL_TO_BASE = LoggedMetric(
     "cfp/<name>/kl_to_base",

@@ -27,18 +27,6 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   lam_k <- lam_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)), kept between measurements. The feed-forward rule falls back
   to it where the predicted KL has no closed-form solve: LoRA-adapted weights, a sparse plan, several protecting
   anchors on one K-FAC weight.
-- "tracking", measured every `every` steps: a damped Newton step on lam in log space, with the drift of the task's
-  push extrapolated. If KL ~ D / lam near the budget (D, the drive, grows as training pushes), the drive at a
-  measurement is D_k = KL_k lam_k (lam_k: the lam of the interval just measured) and its trend over the next
-  interval is tau_k = clip(log(D_k / D'_k) n / d, -MAX_TREND, MAX_TREND) (D'_k measured d steps before, the next
-  measurement n steps ahead; 0 after the first). Then
-
-      lam_k <- min(cap_k, lam_k clip((KL_k exp(tau_k) / B_k)^(1/2), 1 / MAX_STEP, MAX_STEP)),
-
-  half the log-distance to the lam that puts the extrapolated KL at the budget, at most a factor MAX_STEP per
-  measurement either way, kept between measurements. Below the budget lam falls, at most halving per measurement;
-  it is bounded below by that pace only, and above by the feed-forward rule's `cap_k` (with its warning and
-  `cfp/<anchor>/lam_capped`). A measured KL <= 0 halves lam and restarts the trend.
 """
 
 import json
@@ -60,13 +48,11 @@ from ..protection import CFPState
 
 logger = logging.get_logger(__name__)
 
-RULES = ("adaptive", "feedforward", "tracking")  # the first is the default
+RULES = ("adaptive", "feedforward")  # the first is the default
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
 APPROACH = 0.75  # the feed-forward rule keeps lam_t >= the start until a measurement passes APPROACH B
 MAX_GROWTH = 2.0  # the largest growth of the ratio KL / Q the feed-forward rule extrapolates to the next measurement
-MAX_STEP = 2.0  # the tracking rule's largest factor on lam per measurement
-MAX_TREND = 0.6  # the largest |log growth| of the drive KL lam the tracking rule extrapolates to the next measurement
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
 
@@ -75,17 +61,6 @@ def controlled_lams(lams: Sequence[float], kls: Sequence[float], budgets: Sequen
     return [
         lam * (1.0 + min(max(kl / budget - 1.0, -MAX_CHANGE), MAX_CHANGE))
         for lam, kl, budget in zip(lams, kls, budgets, strict=True)
-    ]
-
-
-def tracked_lams(
-    lams: Sequence[float], kls: Sequence[float], budgets: Sequence[float], trends: Sequence[float]
-) -> list[float]:
-    """lam_k * clip((max(KL_k, 0) exp(tau_k) / B_k)^(1/2), 1 / MAX_STEP, MAX_STEP) for every anchor k (the tracking
-    rule before its cap; tau_k, the drive's extrapolated log-growth)."""
-    return [
-        lam * min(max(math.sqrt(max(kl, 0.0) * math.exp(tau) / budget), 1.0 / MAX_STEP), MAX_STEP)
-        for lam, kl, budget, tau in zip(lams, kls, budgets, trends, strict=True)
     ]
 
 
@@ -188,8 +163,8 @@ class KLMeasurement:
 @dataclass
 class KLControl:
     """The controller of the module docstring for the protecting anchors `names`, in order: its rule, its state
-    (`held`, the lams between measurements or before the first target; `targets`, the feed-forward rule's T_k;
-    `drives`, the tracking rule's D_k) and the feed-forward and tracking rules' caps."""
+    (`held`, the lams between measurements or before the first target; `targets`, the feed-forward rule's T_k) and
+    the feed-forward rule's caps."""
 
     names: tuple[str, ...]
     budgets: tuple[float, ...]
@@ -200,7 +175,6 @@ class KLControl:
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
     ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
-    drives: tuple[int, list[float]] | None = None  # the tracking rule's step and D_k = KL_k lam_k (0 for KL <= 0)
     approached: list[bool] = field(default_factory=list)  # per anchor, whether a measurement passed APPROACH B_k
     capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
     _warned: set[str] = field(default_factory=set)
@@ -225,7 +199,7 @@ class KLControl:
                 "or several protecting anchors on one K-FAC weight); kl_control='adaptive' holds the budget instead.",
             )
             rule = "adaptive"
-        caps = tuple(_cap(anchor) for anchor in anchors) if rule != "adaptive" else ()
+        caps = tuple(_cap(anchor) for anchor in anchors) if rule == "feedforward" else ()
         responses = tuple(measurement.prompts[name] for name in names)
         far = [False] * len(names)  # no measurement has passed APPROACH B_k yet
         return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps, approached=far)
@@ -243,15 +217,9 @@ class KLControl:
         """lam_t for the step whose proposal `protection` holds now (module docstring)."""
         if self.targets is None:
             return list(self.held)
-        solved = self._check_caps(protection.budget_lams(self.targets))
-        floors = [0.0 if near else start for near, start in zip(self.approached, self.held, strict=True)]
-        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, floors, self.caps, strict=True)]
-
-    def _check_caps(self, lams: list[float]) -> list[float]:
-        """`lams` as they are, with `capped` set where one passes its cap (warned once per anchor), for the rule to
-        bound."""
-        self.capped = [lam > cap for lam, cap in zip(lams, self.caps, strict=True)]
-        for name, lam, cap, budget in zip(self.names, lams, self.caps, self.budgets, strict=True):
+        solved = protection.budget_lams(self.targets)
+        self.capped = [lam > cap for lam, cap in zip(solved, self.caps, strict=True)]
+        for name, lam, cap, budget in zip(self.names, solved, self.caps, self.budgets, strict=True):
             if lam > cap and name not in self._warned:
                 self._warned.add(name)
                 log_on_main_process(
@@ -266,7 +234,8 @@ class KLControl:
                     cap,
                     MAX_PULL,
                 )
-        return lams
+        floors = [0.0 if near else start for near, start in zip(self.approached, self.held, strict=True)]
+        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, floors, self.caps, strict=True)]
 
     def update(self, model, protection: CFPState, lams: Sequence[float], step: int) -> list[KLEstimate]:
         """Measure the KL of each anchor on `model` now (after the correction with `lams`) and update the rule's
@@ -275,9 +244,6 @@ class KLControl:
         kls = [e.kl for e in estimates]
         if self.rule == "adaptive":  # the lams of the steps that follow, logged from now
             self.held = protection.lams = controlled_lams(lams, kls, self.budgets)
-            return estimates
-        if self.rule == "tracking":
-            self.held = protection.lams = self._tracked(lams, kls, step)
             return estimates
         self.approached = [
             near or kl > APPROACH * b for near, kl, b in zip(self.approached, kls, self.budgets, strict=True)
@@ -293,22 +259,11 @@ class KLControl:
             self.ratios = (step, ratios)
         return estimates
 
-    def _tracked(self, lams: Sequence[float], kls: Sequence[float], step: int) -> list[float]:
-        """The tracking rule's lams after a measurement `kls` of the interval run at `lams` (module docstring)."""
-        drives = [max(kl, 0.0) * lam for kl, lam in zip(kls, lams, strict=True)]
-        trends = [0.0] * len(drives)
-        if self.drives is not None:
-            then, before = self.drives
-            trends = drive_trends(before, drives, step - then, self.next_due(step) - step)
-        self.drives = (step, drives)
-        tracked = self._check_caps(tracked_lams(lams, kls, self.budgets, trends))
-        return [min(lam, cap) for lam, cap in zip(tracked, self.caps, strict=True)]
-
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:
-        """{`cfp/<anchor>/measured_kl`: KL} of the last measurement, and under the feed-forward and tracking rules
+        """{`cfp/<anchor>/measured_kl`: KL} of the last measurement, and under the feed-forward rule
         {`cfp/<anchor>/lam_capped`: 1 or 0} of the last step."""
         metrics = {MEASURED_KL.key(name): e.kl for name, e in zip(self.names, estimates, strict=True)}
-        if self.rule != "adaptive":
+        if self.rule == "feedforward":
             capped = self.capped or [False] * len(self.names)
             metrics.update({LAM_CAPPED.key(name): float(c) for name, c in zip(self.names, capped, strict=True)})
         return metrics
@@ -321,7 +276,6 @@ class KLControl:
             "held": list(self.held),
             "targets": self.targets,
             "ratios": self.ratios,
-            "drives": self.drives,
             "approached": self.approached,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
         }
@@ -333,8 +287,6 @@ class KLControl:
         self.targets = [float(t) for t in targets] if targets is not None else None
         ratios = state.get("ratios")
         self.ratios = (int(ratios[0]), [float(r) for r in ratios[1]]) if ratios is not None else None
-        drives = state.get("drives")
-        self.drives = (int(drives[0]), [float(d) for d in drives[1]]) if drives is not None else None
         self.approached = [bool(near) for near in state.get("approached", [False] * len(self.names))]
         return [float(lam) for lam in state["lams"]]
 
@@ -347,22 +299,7 @@ class KLControl:
 def trend(before: Sequence[float], now: Sequence[float], since: int, ahead: int) -> list[float]:
     """g_k = clip((now_k / before_k)^(ahead / since), 1, MAX_GROWTH): the ratio's growth over the next `ahead`
     steps if it keeps that of the last `since`."""
-    growth = (_log_growth(b, r, since, ahead) for b, r in zip(before, now, strict=True))
-    return [min(max(math.exp(g), 1.0), MAX_GROWTH) for g in growth]
-
-
-def drive_trends(before: Sequence[float], now: Sequence[float], since: int, ahead: int) -> list[float]:
-    """tau_k = clip(log(now_k / before_k) ahead / since, -MAX_TREND, MAX_TREND), 0 where either drive is 0: the
-    drive's log-growth over the next `ahead` steps if it keeps that of the last `since`."""
-    return [
-        min(max(_log_growth(b, d, since, ahead), -MAX_TREND), MAX_TREND) if b > 0 and d > 0 else 0.0
-        for b, d in zip(before, now, strict=True)
-    ]
-
-
-def _log_growth(before: float, now: float, since: int, ahead: int) -> float:
-    """log(now / before) ahead / since: the log-growth over `ahead` steps at the pace of the last `since`."""
-    return math.log(now / before) * ahead / since
+    return [min(max((r / b) ** (ahead / since), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)]
 
 
 def _cap(anchor: FisherAnchor) -> float:

@@ -105,9 +105,7 @@ class ProtectionOptions:
         "predicted KL of the step holds that target (at least the starting lam until a measurement passes 0.75 of "
         "the budget, at most a pull of 1e4 at the 99th percentile of F); where the predicted KL has no closed-form "
         "solve (LoRA-adapted weights, a sparse plan, several protecting anchors on one K-FAC weight) the adaptive "
-        'rule is used instead. `"tracking"` (experimental): at each measurement lam moves half the log-distance '
-        "to the lam that puts the measured KL, extrapolated by the trend of KL x lam over the last interval, at the "
-        "budget, at most x2 or /2 per measurement, at most the feed-forward rule's cap.",
+        "rule is used instead.",
     )
     predicted_kl_budget: float | Sequence[float] | None = option(
         None,
