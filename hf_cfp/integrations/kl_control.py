@@ -16,9 +16,12 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   the measured KL meets the budget if the ratio keeps the trend g_k = clip((rho_k / rho'_k)^(n/d), 1, MAX_GROWTH)
   of the last two measurements (rho'_k measured d steps before, the next one n steps ahead; g_k = 1 after the first,
   and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
-  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at least the
-  starting `lam` until a measurement passes APPROACH B_k (while lam_t = 0 the run moves along directions F hardly
-  sees, and the ratio jumps: docs/reports/strength.md), at most
+  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at least a floor
+  L_k until a measurement passes APPROACH B_k (while lam_t = 0 the run moves along directions F hardly sees, and the
+  ratio jumps: docs/reports/strength.md). L_k starts at the starting `lam` and falls by MAX_CHANGE at each
+  measurement whose KL, carried on at its growth since the previous measurement for LOOKAHEAD more measurements,
+  stays under APPROACH B_k: KL_k (KL_k / KL'_k)^(LOOKAHEAD n / d) < APPROACH B_k (a start too strong for the
+  anchor is left, while one the budget is about to reach is kept). lam_t is at most
   `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
   a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
   met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
@@ -51,7 +54,8 @@ logger = logging.get_logger(__name__)
 RULES = ("adaptive", "feedforward")  # the first is the default
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
-APPROACH = 0.75  # the feed-forward rule keeps lam_t >= the start until a measurement passes APPROACH B
+APPROACH = 0.75  # the feed-forward rule keeps lam_t >= its floor until a measurement passes APPROACH B
+LOOKAHEAD = 2  # the floor falls while the KL at its pace stays under APPROACH B for this many more measurements
 MAX_GROWTH = 2.0  # the largest growth of the ratio KL / Q the feed-forward rule extrapolates to the next measurement
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
@@ -163,8 +167,8 @@ class KLMeasurement:
 @dataclass
 class KLControl:
     """The controller of the module docstring for the protecting anchors `names`, in order: its rule, its state
-    (`held`, the lams between measurements or before the first target; `targets`, the feed-forward rule's T_k) and
-    the feed-forward rule's caps."""
+    (`held`, the lams between measurements, or the feed-forward rule's floors L_k; `targets`, its T_k) and the
+    feed-forward rule's caps."""
 
     names: tuple[str, ...]
     budgets: tuple[float, ...]
@@ -175,6 +179,7 @@ class KLControl:
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
     ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
+    last: tuple[int, list[float]] | None = None  # the feed-forward rule's step and KL_k of the last measurement
     approached: list[bool] = field(default_factory=list)  # per anchor, whether a measurement passed APPROACH B_k
     capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
     _warned: set[str] = field(default_factory=set)
@@ -248,6 +253,7 @@ class KLControl:
         self.approached = [
             near or kl > APPROACH * b for near, kl, b in zip(self.approached, kls, self.budgets, strict=True)
         ]
+        self._lower_floors(kls, step)
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
             ratios = [kl / q for kl, q in zip(kls, predicted, strict=True)]
@@ -258,6 +264,20 @@ class KLControl:
             self.targets = [b / (r * g) for b, r, g in zip(self.budgets, ratios, growth, strict=True)]
             self.ratios = (step, ratios)
         return estimates
+
+    def _lower_floors(self, kls: Sequence[float], step: int) -> None:
+        """L_k *= 1 - MAX_CHANGE where anchor k has not approached its budget and its KL, at its pace since the last
+        measurement, stays under APPROACH B_k for LOOKAHEAD more measurements; remembers `kls` as the last."""
+        if self.last is not None:
+            then, before = self.last
+            ahead = LOOKAHEAD * (self.next_due(step) - step)
+            for k, (kl, was, budget) in enumerate(zip(kls, before, self.budgets, strict=True)):
+                far = (
+                    kl > 0 and was > 0 and kl * math.exp(_log_growth(was, kl, step - then, ahead)) < APPROACH * budget
+                )
+                if far and not self.approached[k]:
+                    self.held[k] *= 1.0 - MAX_CHANGE
+        self.last = (step, list(kls))
 
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:
         """{`cfp/<anchor>/measured_kl`: KL} of the last measurement, and under the feed-forward rule
@@ -276,6 +296,7 @@ class KLControl:
             "held": list(self.held),
             "targets": self.targets,
             "ratios": self.ratios,
+            "last": self.last,
             "approached": self.approached,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
         }
@@ -287,6 +308,8 @@ class KLControl:
         self.targets = [float(t) for t in targets] if targets is not None else None
         ratios = state.get("ratios")
         self.ratios = (int(ratios[0]), [float(r) for r in ratios[1]]) if ratios is not None else None
+        last = state.get("last")
+        self.last = (int(last[0]), [float(kl) for kl in last[1]]) if last is not None else None
         self.approached = [bool(near) for near in state.get("approached", [False] * len(self.names))]
         return [float(lam) for lam in state["lams"]]
 
@@ -299,7 +322,14 @@ class KLControl:
 def trend(before: Sequence[float], now: Sequence[float], since: int, ahead: int) -> list[float]:
     """g_k = clip((now_k / before_k)^(ahead / since), 1, MAX_GROWTH): the ratio's growth over the next `ahead`
     steps if it keeps that of the last `since`."""
-    return [min(max((r / b) ** (ahead / since), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)]
+    return [
+        min(max(math.exp(_log_growth(b, r, since, ahead)), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)
+    ]
+
+
+def _log_growth(before: float, now: float, since: int, ahead: int) -> float:
+    """log(now / before) ahead / since: the log-growth over `ahead` steps at the pace of the last `since`."""
+    return math.log(now / before) * ahead / since
 
 
 def _cap(anchor: FisherAnchor) -> float:
