@@ -65,7 +65,8 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
     """kl_every=4 over 12 steps: measured at 1, 2, 4, 8, 12. After a measurement with KL > 0 the target is
     T = B / (rho g), rho = KL / Q (Q: the logged predicted KL, KL: kl_to_base from a copy of the base) and g the
     ratio's growth since the last measurement carried to the next, clipped to [1, 2]; from then on each step's lam is
-    its floor (the start until a measurement passes 0.75 B, then 0) with the predicted KL it leaves within T, or
+    its floor (`held`, falling from the start while far from B, until a measurement passes 0.75 B, then 0) with the
+    predicted KL it leaves within T, or
     leaves it at T (the solve's 1% tolerance), or is the cap (the random anchor's F is far from the model's: the ratio
     climbs, and the cap binds at step 9); before, lam is the start."""
     base, rows = tiny_llama(), full_batch_rows()
@@ -88,7 +89,7 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
         predicted = protector.metrics()["cfp/math/predicted_kl"]
         if target is None:
             assert lams == [0.5]
-        elif lams[0] == (0.0 if approached else 0.5):  # the floor binds
+        elif lams[0] == (0.0 if approached else control.held[0]):  # the floor binds
             assert predicted <= target * 1.01
         elif lams[0] == control.caps[0]:  # the cap binds: the target is not reached
             assert predicted > target
@@ -112,6 +113,50 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
     adamw_loop(model, rows, 12, after_step=after_step)
     assert measured == [1, 2, 4, 8, 12] and target is not None and capped and approached
     assert protector.metrics()["cfp/math/lam_capped"] == float(capped[-1] == 12)
+
+
+@pytest.mark.parametrize("budget", [1.0, 30.0])
+def test_the_feedforward_floor_falls_while_the_kl_at_its_pace_stays_far_from_the_budget(budget):
+    """kl_every=4 over 16 steps, measured at 1, 2, 4, 8, 12, 16: from the second measurement the floor is multiplied
+    by 0.8 where KL (KL / KL_before)^(2 n / d) < 0.75 B (KL: kl_to_base from a copy of the base; d steps since the
+    last measurement, n to the next) and no measurement has passed 0.75 B, else kept; each step's lam is at least
+    the floor until then. At B = 1 the KL's pace is near the budget from the start and the floor stays; at B = 30 it
+    falls, then stays."""
+    base, rows = tiny_llama(), full_batch_rows()
+    model = copy.deepcopy(base)
+    protector = CFP(
+        model,
+        random_anchor(base),
+        lam=0.5,
+        kl_budget=budget,
+        kl_prompts=draw(base),
+        kl_every=4,
+        kl_control="feedforward",
+    )
+    floor, before, approached, falls = 0.5, None, False, []
+    next_measured = {1: 2, 2: 4, 4: 8, 8: 12, 12: 16, 16: 20}
+
+    def after_step():
+        nonlocal floor, before, approached
+        lams, step = protector.step(), protector.steps
+        assert approached or lams[0] >= floor * (1 - 1e-12)
+        if protector.control.due(step):
+            kl = kl_to_base(base, model, None, PROMPTS, **DRAW)
+            approached = approached or kl > 0.75 * budget
+            if before is not None:
+                ahead = 2 * (next_measured[step] - step) / (step - before[0])
+                far = kl * (kl / before[1]) ** ahead < 0.75 * budget
+                falls.append(far and not approached)
+                floor *= 0.8 if falls[-1] else 1.0
+            before = (step, kl)
+            assert protector.control.held == pytest.approx([floor], rel=1e-9)
+
+    adamw_loop(model, rows, 16, after_step=after_step)
+    assert len(falls) == 5
+    if budget == 30.0:  # far at first, then the KL's pace brings the budget within two measurements
+        assert falls[0] and not falls[-1]
+    else:
+        assert not any(falls)
 
 
 def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(monkeypatch):
@@ -185,10 +230,13 @@ def test_the_callback_draws_at_train_begin_and_follows_the_loop(tmp_path):
     assert logged[-1]["cfp/math/lam"] == pytest.approx(protector.protection.lams[0], rel=1e-4)
 
 
-def test_state_dict_resumes_the_controller_bit_for_bit():
-    """Measuring on the saved base responses (not ones drawn from the resumed weights) with the saved lams."""
+@pytest.mark.parametrize("rule", ["adaptive", "feedforward"])
+def test_state_dict_resumes_the_controller_bit_for_bit(rule):
+    """Measuring on the saved base responses (not ones drawn from the resumed weights) with the saved lams, and
+    under the feed-forward rule its targets, ratios, floors and last measured KL (B = 30: the floor falls)."""
     base, rows = tiny_llama(), full_batch_rows()
-    anchor, options = random_anchor(base), dict(lam=0.5, kl_budget=0.05, kl_every=2)
+    budget = 30.0 if rule == "feedforward" else 0.05
+    anchor, options = random_anchor(base), dict(lam=0.5, kl_budget=budget, kl_every=2, kl_control=rule)
     kept = copy.deepcopy(base)
     protector = CFP(kept, anchor, kl_prompts=draw(base), **options)
     adamw_loop(kept, rows, 4, after_step=protector.step)
@@ -202,6 +250,7 @@ def test_state_dict_resumes_the_controller_bit_for_bit():
     adamw_loop(halfway, rows, 4, after_step=again.step)
     assert all(torch.equal(a, b) for a, b in zip(halfway.parameters(), kept.parameters(), strict=True))
     assert again.protection.lams == protector.protection.lams
+    assert again.control.held == protector.control.held and (rule == "adaptive" or again.control.held[0] < 0.5)
 
 
 def run(output_dir, extra=(), resume=None, **callback_kwargs):
