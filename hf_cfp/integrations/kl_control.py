@@ -12,10 +12,9 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
 
 - "feedforward", measured every `every` steps and at steps 1, 2, 4, ... before the first. The
   predicted KL Q_k = 0.5 Delta^T F_k Delta (`CFPState.predicted_kls`) is far below the measured one, but their
-  ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / (rho_k g_k): where
-  the measured KL meets the budget if the ratio keeps the trend g_k = clip((rho_k / rho'_k)^(n/d), 1, MAX_GROWTH)
-  of the last two measurements (rho'_k measured d steps before, the next one n steps ahead; g_k = 1 after the first,
-  and never below 1: a falling ratio is not extrapolated). At every step lam_t is the smallest that holds the
+  ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / rho_k: where the
+  measured KL meets the budget if the ratio stays (the ratio grows with lam itself, so a trend of it would carry
+  the controller's own moves forward: docs/reports/strength.md). At every step lam_t is the smallest that holds the
   predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at least a floor
   L_k until a measurement passes APPROACH B_k (while lam_t = 0 the run moves along directions F hardly sees, and the
   ratio jumps: docs/reports/strength.md). L_k starts at the starting `lam` and falls by MAX_CHANGE at each
@@ -56,7 +55,6 @@ MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's cl
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
 APPROACH = 0.75  # the feed-forward rule keeps lam_t >= its floor until a measurement passes APPROACH B
 LOOKAHEAD = 2  # the floor falls while the KL at its pace stays under APPROACH B for this many more measurements
-MAX_GROWTH = 2.0  # the largest growth of the ratio KL / Q the feed-forward rule extrapolates to the next measurement
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
 
@@ -178,7 +176,6 @@ class KLControl:
     held: list[float]
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
-    ratios: tuple[int, list[float]] | None = None  # the step and rho_k of the last usable measurement
     last: tuple[int, list[float]] | None = None  # the feed-forward rule's step and KL_k of the last measurement
     approached: list[bool] = field(default_factory=list)  # per anchor, whether a measurement passed APPROACH B_k
     capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
@@ -256,13 +253,7 @@ class KLControl:
         self._lower_floors(kls, step)
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
-            ratios = [kl / q for kl, q in zip(kls, predicted, strict=True)]
-            growth = [1.0] * len(ratios)
-            if self.ratios is not None:
-                then, before = self.ratios
-                growth = trend(before, ratios, step - then, self.next_due(step) - step)
-            self.targets = [b / (r * g) for b, r, g in zip(self.budgets, ratios, growth, strict=True)]
-            self.ratios = (step, ratios)
+            self.targets = [b * q / kl for b, kl, q in zip(self.budgets, kls, predicted, strict=True)]
         return estimates
 
     def _lower_floors(self, kls: Sequence[float], step: int) -> None:
@@ -295,7 +286,6 @@ class KLControl:
             "lams": list(lams),
             "held": list(self.held),
             "targets": self.targets,
-            "ratios": self.ratios,
             "last": self.last,
             "approached": self.approached,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
@@ -306,8 +296,6 @@ class KLControl:
         self.held = [float(lam) for lam in state.get("held", state["lams"])]
         targets = state.get("targets")
         self.targets = [float(t) for t in targets] if targets is not None else None
-        ratios = state.get("ratios")
-        self.ratios = (int(ratios[0]), [float(r) for r in ratios[1]]) if ratios is not None else None
         last = state.get("last")
         self.last = (int(last[0]), [float(kl) for kl in last[1]]) if last is not None else None
         self.approached = [bool(near) for near in state.get("approached", [False] * len(self.names))]
@@ -317,14 +305,6 @@ class KLControl:
         """Write `state(lams)` to `directory`/cfp_kl_control.json."""
         Path(directory).mkdir(parents=True, exist_ok=True)
         (Path(directory) / STATE_FILE).write_text(json.dumps(self.state(lams)))
-
-
-def trend(before: Sequence[float], now: Sequence[float], since: int, ahead: int) -> list[float]:
-    """g_k = clip((now_k / before_k)^(ahead / since), 1, MAX_GROWTH): the ratio's growth over the next `ahead`
-    steps if it keeps that of the last `since`."""
-    return [
-        min(max(math.exp(_log_growth(b, r, since, ahead)), 1.0), MAX_GROWTH) for b, r in zip(before, now, strict=True)
-    ]
 
 
 def _log_growth(before: float, now: float, since: int, ahead: int) -> float:
