@@ -74,10 +74,13 @@ def main(out, one):
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp_params = {n: p.detach().clone() for n, p in model.named_parameters()}
     ddp_resumes = ddp_resume_case(out, rank)
-    # kl_budget under DDP: every process draws and scores the same base responses, so lam stays replicated
-    model = make_model()
-    kl_logs = trainer_run(model, [make_callback(model, **KL_BUDGET)], f"{out}/ddp-kl", per_device_batch=ROWS // 2)
-    kl_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # kl_budget under DDP, both rules: every process draws and scores the same base responses, so lam stays replicated
+    kl_runs = {}
+    for rule in ("adaptive", "feedforward"):
+        model = make_model()
+        callback = make_callback(model, **KL_BUDGET, kl_control=rule)
+        logs = trainer_run(model, [callback], f"{out}/ddp-kl-{rule}", per_device_batch=ROWS // 2)
+        kl_runs[rule] = (logs, {n: p.detach().clone() for n, p in model.named_parameters()})
 
     # FSDP2: shard every decoder layer and the root; this process trains on its share of the rows.
     mesh = init_device_mesh("cpu", (world,))
@@ -106,8 +109,7 @@ def main(out, one):
         "ddp_logs": ddp_logs,
         "ddp_params": ddp_params,
         **ddp_resumes,
-        "ddp_kl_logs": kl_logs,
-        "ddp_kl_params": kl_params,
+        "ddp_kl": kl_runs,
         "fsdp2_logs": fsdp_logs,
         "fsdp2_params": fsdp2_params(model),
         "fsdp2_all_dtensor": all(isinstance(p, DTensor) for p in model.parameters()),
