@@ -264,7 +264,9 @@ class KLControl:
             ahead = LOOKAHEAD * (self.next_due(step) - step)
             for k, (kl, was, budget) in enumerate(zip(kls, before, self.budgets, strict=True)):
                 far = (
-                    kl > 0 and was > 0 and kl * math.exp(_log_growth(was, kl, step - then, ahead)) < APPROACH * budget
+                    kl > 0
+                    and was > 0
+                    and math.log(kl) + _log_growth(was, kl, step - then, ahead) < math.log(APPROACH * budget)
                 )
                 if far and not self.approached[k]:
                     self.held[k] *= 1.0 - MAX_CHANGE
