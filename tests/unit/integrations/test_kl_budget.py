@@ -68,17 +68,8 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
     0.75 B, then 0) with the predicted KL it leaves within T, or leaves it at T (the solve's 1% tolerance), or is
     the cap (the random anchor's F is far from the model's: the ratio climbs, and the cap binds before step 12);
     before, lam is the start."""
-    base, rows = tiny_llama(), full_batch_rows()
-    model, budget = copy.deepcopy(base), 0.01
-    protector = CFP(
-        model,
-        random_anchor(base),
-        lam=0.5,
-        kl_budget=budget,
-        kl_prompts=draw(base),
-        kl_every=4,
-        kl_control="feedforward",
-    )
+    budget = 0.01
+    base, rows, model, protector = feedforward_run(budget)
     control, measured, capped, target, approached = protector.control, [], [], None, False
 
     def after_step():
@@ -116,17 +107,7 @@ def test_the_feedforward_floor_falls_while_the_kl_at_its_pace_stays_far_from_the
     last measurement, n to the next) and no measurement has passed 0.75 B, else kept; each step's lam is at least
     the floor until then. At B = 1 the KL's pace is near the budget from the start and the floor stays; at B = 30 it
     falls, then stays."""
-    base, rows = tiny_llama(), full_batch_rows()
-    model = copy.deepcopy(base)
-    protector = CFP(
-        model,
-        random_anchor(base),
-        lam=0.5,
-        kl_budget=budget,
-        kl_prompts=draw(base),
-        kl_every=4,
-        kl_control="feedforward",
-    )
+    base, rows, model, protector = feedforward_run(budget)
     floor, before, approached, falls = 0.5, None, False, []
     next_measured = {1: 2, 2: 4, 4: 8, 8: 12, 12: 16, 16: 20}
 
@@ -317,6 +298,23 @@ def test_text_prompts_in_the_loop_api_ask_for_drawn_responses():
     model = tiny_llama()
     with pytest.raises(CFPArgumentError, match="draw_base_responses"):
         CFP(model, random_anchor(model), kl_budget=0.1, kl_prompts=["What is 2 + 2?"])
+
+
+def feedforward_run(budget):
+    """The tiny Llama, its rows, a copy to train and the feed-forward rule on it from lam 0.5 with a random anchor,
+    measured every 4 steps (and at 1, 2)."""
+    base, rows = tiny_llama(), full_batch_rows()
+    model = copy.deepcopy(base)
+    protector = CFP(
+        model,
+        random_anchor(base),
+        lam=0.5,
+        kl_budget=budget,
+        kl_prompts=draw(base),
+        kl_every=4,
+        kl_control="feedforward",
+    )
+    return base, rows, model, protector
 
 
 def draw(model, **overrides):
