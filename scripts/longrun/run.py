@@ -1,6 +1,6 @@
-"""Run the long run: the task (built once from the base model's answers), the anchors, the base references, then
-every arm of the plan, one JSON line per arm in `<output_dir>/results.jsonl` as it finishes (`resume` skips the arms
-already there, as the evidence run does).
+"""Run the long run: the task (built once from the base model's answers), the base references, then every arm of the
+plan (each after the anchors it needs that are not saved yet), one JSON line per arm in `<output_dir>/results.jsonl`
+as it finishes (`resume` skips the arms already there, as the evidence run does).
 
 A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measure.Probe.final`, plus
 `train_seconds` and `seconds_per_step` without the measuring time), `math_examples` (`Probe.math_examples`: the
@@ -65,7 +65,7 @@ def trained_weights(model) -> dict[str, torch.Tensor]:
 
 
 class LongRun:
-    """Everything an arm needs, made once: model, task, anchors, references, probe."""
+    """Everything an arm needs, made once: model, task, anchor store, references, probe."""
 
     def __init__(self, plan: Plan, model_name: str, out: Path, anchors_dir: Path, todo: list):
         self.plan, self.out = plan, out
@@ -73,7 +73,6 @@ class LongRun:
         self.base_model, self.tokenizer = model.eval(), tokenizer
         self.items, self.heldout = task_split(model, tokenizer, plan, out / "task.jsonl")
         self.store = AnchorStore(model, tokenizer, plan.anchors, anchors_dir)
-        self.store.prepare({name for arm in todo for name in plan.anchors_of(arm)})
         print("Drawing the base model's held-out responses (once)", flush=True)
         references = base_references(model, tokenizer, plan, out / "references.pt")
         self.probe = Probe(model, tokenizer, plan, self.heldout, references)
@@ -136,6 +135,7 @@ def run_long(plan: Plan, model_name: str, output_dir: str, anchors_dir: str | No
     bar = tqdm(todo, desc="arms", unit="arm")
     for arm in bar:
         bar.set_postfix_str(arm.key)
+        run.store.prepare(plan.anchors_of(arm))  # made when first needed, outside the arm's seconds
         done[arm.key] = run.run_arm(arm)
         append_row(results, done[arm.key])
         shutil.rmtree(run.run_dir(arm), ignore_errors=True)
