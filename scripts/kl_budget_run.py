@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     parser.add_argument("--control", choices=RULES, default=RULES[0], help="kl_control, the controller's rule")
     parser.add_argument("--anchor", default="evidence-smollm2/anchors/math", help="the saved math anchor")
     parser.add_argument("--kfac-rank", type=int, default=None, help="truncate a K-FAC anchor to this rank, mean tails")
+    parser.add_argument("--seed", type=int, default=0, help="the training seed (data order), as the long run's arms")
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--plot", action="store_true")
     parser.add_argument("--compare", nargs="+", default=None, help="output directories to draw side by side")
@@ -142,7 +143,8 @@ def main(argv=None) -> None:
     # the long run's SFT settings, `steps` long, logging at every measurement
     plan = replace(plan, steps=args.steps, points=args.steps // args.every)
     factory = TrainerFactory(model, tokenizer, plan, items, None)
-    trainer = factory.build(ARM, copy.deepcopy(model).train(), [cfp, checks], out)
+    arm = replace(ARM, seed=args.seed)
+    trainer = factory.build(arm, copy.deepcopy(model).train(), [cfp, checks], out)
     trainer.remove_callback(PrinterCallback)
     start = time.perf_counter()
     trainer.train()
@@ -152,7 +154,7 @@ def main(argv=None) -> None:
         "seconds": time.perf_counter() - start,
         "logged": checks.logged,
         "checks": checks.checks,
-        "learning_rate": factory.learning_rate(ARM),
+        "learning_rate": factory.learning_rate(arm),
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "kl_budget.json").write_text(json.dumps(record, indent=1))
