@@ -25,7 +25,6 @@ from evidence.plan import Arm, kfac_anchor_name, kfac_lam_anchor
 from evidence.rewards import REWARDS
 from evidence.training import lam_of, saved_reference
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments, set_seed
-from transformers.trainer_utils import get_last_checkpoint
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
 
 from hf_cfp.anchor import FisherAnchor
@@ -109,7 +108,7 @@ def _arguments(plan: Plan, arm: Arm, output_dir: Path, learning_rate: float, che
         "logging_steps": every,
         "save_strategy": "steps" if checkpoints else "no",  # at every measured step (module docstring)
         "save_steps": every,
-        "save_total_limit": 1,
+        "save_total_limit": 2,  # the one before stays until the newest is whole (`last_whole_checkpoint`)
         "report_to": "none",
         "use_cpu": True,
         "seed": arm.seed,
@@ -232,11 +231,19 @@ class TrainedArm:
     earlier_seconds: float = 0.0
 
 
+def last_whole_checkpoint(output_dir: Path) -> str | None:
+    """The newest checkpoint in `output_dir` that every callback finished saving into (it holds `CURVE_STATE`,
+    written last), or None. A save cut off part-way (the machine stopped during it) leaves a newer checkpoint
+    without it; the Trainer has already rotated older ones out by then, hence `save_total_limit=2`."""
+    whole = [path for path in output_dir.glob("checkpoint-*") if (path / CURVE_STATE).is_file()]
+    return str(max(whole, key=lambda path: int(path.name.split("-")[-1]))) if whole else None
+
+
 def train_arm(arm: Arm, factory: TrainerFactory, anchors: dict, probe: Probe, output_dir: Path) -> TrainedArm:
     """Train the arm with its checkpoints in `output_dir` (its own), resuming from the last one found there."""
     curve = CurveCallback(probe, arm, factory.plan.measured_steps(arm.optimizer))
     trainer = prepared_trainer(arm, factory, anchors, [curve], output_dir)
-    checkpoint = get_last_checkpoint(str(output_dir)) if output_dir.is_dir() else None
+    checkpoint = last_whole_checkpoint(output_dir)
     if checkpoint is not None:
         curve.resume(Path(checkpoint))
         print(f"{arm.key}: resuming from {checkpoint}", flush=True)
