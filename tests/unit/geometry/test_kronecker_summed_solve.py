@@ -32,7 +32,7 @@ def random_basis(seed, rank=None):
 def dense_system(terms, diagonal=None):
     system = torch.eye(OUT * IN, dtype=torch.float64)
     for basis, lam in terms:
-        a, g = dense_factors(basis)
+        a, g = dense_factors(basis.placed("cpu", torch.float64))  # formed in float64: float32 products err by ~1e-5
         system += lam * torch.kron(g.double(), a.double())
     if diagonal is not None:
         system += torch.diag(diagonal.double().reshape(-1))
@@ -119,7 +119,7 @@ def rearranged(terms):
     """sum_k lam_k vec(G_k) vec(A_k)^T (OUT^2 x IN^2, float64): Van Loan and Pitsianis's rearrangement."""
     total = torch.zeros(OUT * OUT, IN * IN, dtype=torch.float64)
     for basis, lam in terms:
-        a, g = dense_factors(basis)
+        a, g = dense_factors(basis.placed("cpu", torch.float64))  # formed in float64: float32 products err by ~1e-5
         total += lam * torch.outer(g.double().reshape(-1), a.double().reshape(-1))
     return total
 
