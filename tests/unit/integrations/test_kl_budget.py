@@ -154,8 +154,8 @@ def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(m
 
 UNMET_ON_THE_DIAGONAL = pytest.mark.xfail(
     strict=True,
-    reason="peaks at 1.27 B (step 20), an overshoot on the approach to the budget: over 20 random tiny models the rule "
-    "meets these bounds on 13 with either anchor, PPO's adaptive rule on 1 (scripts/kl_budget_seeds.py, "
+    reason="peaks at 1.27 B (step 20), an overshoot on the approach to the budget: over 20 random tiny models the "
+    "rule meets these bounds on 13 with either anchor, PPO's adaptive rule on 1 (scripts/kl_budget_seeds.py, "
     "docs/reports/strength.md)",
 )
 
