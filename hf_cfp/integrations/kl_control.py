@@ -15,16 +15,14 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / rho_k: where the
   measured KL meets the budget if the ratio stays (the ratio grows with lam itself, so a trend of it would carry
   the controller's own moves forward: docs/reports/strength.md). At every step lam_t is the smallest that holds the
-  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), at least a floor
-  L_k until a measurement passes APPROACH B_k (while lam_t = 0 the run moves along directions F hardly sees, and the
-  ratio jumps: docs/reports/strength.md). L_k starts at the starting `lam` and falls by MAX_CHANGE at each
-  measurement whose KL, carried on at its growth since the previous measurement for LOOKAHEAD more measurements,
-  stays under APPROACH B_k: KL_k (KL_k / KL'_k)^(LOOKAHEAD n / d) < APPROACH B_k (a start too strong for the
-  anchor is left, while one the budget is about to reach is kept). lam_t is at most
+  predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), and at least a floor
+  L_k: the feedback under the feed-forward solve, PPO's adaptive rule below applied to L_k at every `every`-th
+  step's measurement, L_k <- L_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)) from the starting `lam` (while lam_t = 0 the
+  run moves along directions F hardly sees, and the ratio jumps: docs/reports/strength.md). lam_t is at most
   `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
   a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
   met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
-  lam_t is the starting `lam`.
+  lam_t is the floor.
 - "adaptive" (the default): PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
   lam_k <- lam_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)), kept between measurements. The feed-forward rule falls back
   to it where the predicted KL has no closed-form solve: LoRA-adapted weights, a sparse plan, several protecting
@@ -53,8 +51,6 @@ logger = logging.get_logger(__name__)
 RULES = ("adaptive", "feedforward")  # the first is the default
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
-APPROACH = 0.75  # the feed-forward rule keeps lam_t >= its floor until a measurement passes APPROACH B
-LOOKAHEAD = 2  # the floor falls while the KL at its pace stays under APPROACH B for this many more measurements
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets
 
 
@@ -176,8 +172,6 @@ class KLControl:
     held: list[float]
     caps: tuple[float, ...] = ()
     targets: list[float] | None = None
-    last: tuple[int, list[float]] | None = None  # the feed-forward rule's step and KL_k of the last measurement
-    approached: list[bool] = field(default_factory=list)  # per anchor, whether a measurement passed APPROACH B_k
     capped: list[bool] = field(default_factory=list)  # per anchor, whether the last step's lam was held at its cap
     _warned: set[str] = field(default_factory=set)
 
@@ -203,8 +197,7 @@ class KLControl:
             rule = "adaptive"
         caps = tuple(_cap(anchor) for anchor in anchors) if rule == "feedforward" else ()
         responses = tuple(measurement.prompts[name] for name in names)
-        far = [False] * len(names)  # no measurement has passed APPROACH B_k yet
-        return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps, approached=far)
+        return cls(tuple(names), tuple(budgets), measurement.every, responses, rule, list(start), caps)
 
     def due(self, step: int) -> bool:
         """Whether `step` is measured: every `every` steps, and at 1, 2, 4, ... before the first (feed-forward)."""
@@ -236,8 +229,7 @@ class KLControl:
                     cap,
                     MAX_PULL,
                 )
-        floors = [0.0 if near else start for near, start in zip(self.approached, self.held, strict=True)]
-        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, floors, self.caps, strict=True)]
+        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, self.held, self.caps, strict=True)]
 
     def update(self, model, protection: CFPState, lams: Sequence[float], step: int) -> list[KLEstimate]:
         """Measure the KL of each anchor on `model` now (after the correction with `lams`) and update the rule's
@@ -247,30 +239,12 @@ class KLControl:
         if self.rule == "adaptive":  # the lams of the steps that follow, logged from now
             self.held = protection.lams = controlled_lams(lams, kls, self.budgets)
             return estimates
-        self.approached = [
-            near or kl > APPROACH * b for near, kl, b in zip(self.approached, kls, self.budgets, strict=True)
-        ]
-        self._lower_floors(kls, step)
+        if step % self.every == 0:  # the floors' feedback, at the adaptive rule's measurements only
+            self.held = controlled_lams(self.held, kls, self.budgets)
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
             self.targets = [b * q / kl for b, kl, q in zip(self.budgets, kls, predicted, strict=True)]
         return estimates
-
-    def _lower_floors(self, kls: Sequence[float], step: int) -> None:
-        """L_k *= 1 - MAX_CHANGE where anchor k has not approached its budget and its KL, at its pace since the last
-        measurement, stays under APPROACH B_k for LOOKAHEAD more measurements; remembers `kls` as the last."""
-        if self.last is not None:
-            then, before = self.last
-            ahead = LOOKAHEAD * (self.next_due(step) - step)
-            for k, (kl, was, budget) in enumerate(zip(kls, before, self.budgets, strict=True)):
-                far = (
-                    kl > 0
-                    and was > 0
-                    and math.log(kl) + _log_growth(was, kl, step - then, ahead) < math.log(APPROACH * budget)
-                )
-                if far and not self.approached[k]:
-                    self.held[k] *= 1.0 - MAX_CHANGE
-        self.last = (step, list(kls))
 
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:
         """{`cfp/<anchor>/measured_kl`: KL} of the last measurement, and under the feed-forward rule
@@ -288,8 +262,6 @@ class KLControl:
             "lams": list(lams),
             "held": list(self.held),
             "targets": self.targets,
-            "last": self.last,
-            "approached": self.approached,
             "responses": {n: r.to_dict() for n, r in zip(self.names, self.responses, strict=True)},
         }
 
@@ -298,20 +270,12 @@ class KLControl:
         self.held = [float(lam) for lam in state.get("held", state["lams"])]
         targets = state.get("targets")
         self.targets = [float(t) for t in targets] if targets is not None else None
-        last = state.get("last")
-        self.last = (int(last[0]), [float(kl) for kl in last[1]]) if last is not None else None
-        self.approached = [bool(near) for near in state.get("approached", [False] * len(self.names))]
         return [float(lam) for lam in state["lams"]]
 
     def save(self, directory: str | Path, lams: Sequence[float]) -> None:
         """Write `state(lams)` to `directory`/cfp_kl_control.json."""
         Path(directory).mkdir(parents=True, exist_ok=True)
         (Path(directory) / STATE_FILE).write_text(json.dumps(self.state(lams)))
-
-
-def _log_growth(before: float, now: float, since: int, ahead: int) -> float:
-    """log(now / before) ahead / since: the log-growth over `ahead` steps at the pace of the last `since`."""
-    return math.log(now / before) * ahead / since
 
 
 def _cap(anchor: FisherAnchor) -> float:
