@@ -10,7 +10,7 @@ The same responses are scored every time, so the measured KL moves with theta on
 Every process measures the same value without a collective: under DDP the weights are the same; under FSDP or
 ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_control`):
 
-- "feedforward", measured every `every` steps and at steps 1, 2, 4, ... before the first. The
+- "feedforward" (the default), measured every `every` steps and at steps 1, 2, 4, ... before the first. The
   predicted KL Q_k = 0.5 Delta^T F_k Delta (`CFPState.predicted_kls`) is far below the measured one, but their
   ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / rho_k: where the
   measured KL meets the budget if the ratio stays (the ratio grows with lam itself, so a trend of it would carry
@@ -23,7 +23,7 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
   met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
   lam_t is the floor.
-- "adaptive" (the default): PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
+- "adaptive": PPO's adaptive KL controller (Ziegler et al. 2019), measured every `every` steps,
   lam_k <- lam_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)), kept between measurements. The feed-forward rule falls back
   to it where the predicted KL has no closed-form solve: LoRA-adapted weights, a sparse plan, several protecting
   anchors on one K-FAC weight.
@@ -48,7 +48,7 @@ from ..protection import CFPState
 
 logger = logging.get_logger(__name__)
 
-RULES = ("adaptive", "feedforward")  # the first is the default
+RULES = ("feedforward", "adaptive")  # the first is the default
 MAX_CHANGE = 0.2  # the largest relative change of lam per measurement (PPO's clip)
 MAX_PULL = 1e4  # the feed-forward rule's cap: lam_k p99(F_k) <= MAX_PULL
 STATE_FILE = "cfp_kl_control.json"  # in a Trainer checkpoint: the base responses, the lams and the targets

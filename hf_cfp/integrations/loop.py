@@ -55,7 +55,7 @@ class CFP:
         kl_budget: float | Sequence[float] | None = None,
         kl_prompts: Any = None,
         kl_every: int = 10,
-        kl_control: str = "adaptive",
+        kl_control: str = "feedforward",
         predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,
         monitor: Sequence[AnchorLike] = (),

@@ -96,17 +96,16 @@ class ProtectionOptions:
         "responses of `kl_prompts`.",
     )
     kl_control: str = option(
-        "adaptive",
-        help='How `kl_budget` sets lam_t. `"adaptive"` (the default): PPO\'s adaptive KL controller, lam_k <- lam_k '
-        '(1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) at each measurement. `"feedforward"` (recommended for '
-        "full-parameter training: on the embedded model it held the budget more closely with a diagonal anchor and "
-        "as closely with a K-FAC one, docs/reports/strength.md): each measurement rescales a target on the predicted "
-        "KL 0.5 Delta^T F Delta by budget / measured KL, and at every step lam_t is solved so that the predicted KL "
-        "of the step holds that target, at least a floor until a measurement passes 0.75 of the budget (the "
-        "starting lam, falling 20% at each measurement while the KL at its pace stays under 0.75 of the budget for "
-        "two more measurements), at most a pull of 1e4 at the 99th percentile of F; where the predicted KL has no "
-        "closed-form solve (LoRA-adapted weights, a sparse plan, several protecting anchors on one K-FAC weight) "
-        "the adaptive rule is used instead.",
+        "feedforward",
+        help='How `kl_budget` sets lam_t. `"feedforward"` (the default; on the embedded model it held the budget more '
+        "closely than the adaptive rule with a diagonal anchor and exactly as it did with a K-FAC one, "
+        "docs/reports/strength.md): each measurement rescales a target on the predicted KL 0.5 Delta^T F Delta by "
+        "budget / measured KL, and at every step lam_t is solved so that the predicted KL of the step holds that "
+        "target, at least a floor that follows the adaptive rule at every `kl_every`-th step, at most a pull of 1e4 "
+        "at the 99th percentile of F; where the predicted KL has no closed-form solve (LoRA-adapted weights, a "
+        "sparse plan, several protecting anchors on one K-FAC weight) the adaptive rule is used instead. "
+        '`"adaptive"`: PPO\'s adaptive KL controller, lam_k <- lam_k (1 + clip(KL_k / budget_k - 1, -0.2, 0.2)) at '
+        "each measurement.",
     )
     predicted_kl_budget: float | Sequence[float] | None = option(
         None,
