@@ -18,8 +18,8 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
   predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), and at least a floor
   L_k: the feedback under the feed-forward solve, PPO's adaptive rule below applied to L_k at every `every`-th
   step's measurement, L_k <- L_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)) from the starting `lam` (while lam_t = 0 the
-  run moves along directions F hardly sees, and the ratio jumps: docs/reports/strength.md). lam_t is at most
-  `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
+  run moves along directions F hardly sees, and the ratio jumps: docs/reports/strength.md), L_k at most cap_k.
+  lam_t is at most `cap_k` = MAX_PULL / p99(F_k) (p99 of the whole anchor's F, `FisherAnchor.statistics`),
   a pull of MAX_PULL at the 99th percentile of F_k (when the cap binds, a warning says the budget may then not be
   met, and `cfp/<anchor>/lam_capped` is logged as 1). Until the first measurement with KL_k > 0 and Q_k > 0,
   lam_t is the floor.
@@ -212,10 +212,10 @@ class KLControl:
         """lam_t for the step whose proposal `protection` holds now (module docstring)."""
         if self.targets is None:
             return list(self.held)
-        solved = protection.budget_lams(self.targets)
-        self.capped = [lam > cap for lam, cap in zip(solved, self.caps, strict=True)]
-        for name, lam, cap, budget in zip(self.names, solved, self.caps, self.budgets, strict=True):
-            if lam > cap and name not in self._warned:
+        wanted = [max(lam, floor) for lam, floor in zip(protection.budget_lams(self.targets), self.held, strict=True)]
+        self.capped = [lam >= cap for lam, cap in zip(wanted, self.caps, strict=True)]  # the floor stops at its cap
+        for name, lam, cap, budget in zip(self.names, wanted, self.caps, self.budgets, strict=True):
+            if lam >= cap and name not in self._warned:
                 self._warned.add(name)
                 log_on_main_process(
                     logger.warning,
@@ -229,7 +229,7 @@ class KLControl:
                     cap,
                     MAX_PULL,
                 )
-        return [min(max(lam, floor), cap) for lam, floor, cap in zip(solved, self.held, self.caps, strict=True)]
+        return [min(lam, cap) for lam, cap in zip(wanted, self.caps, strict=True)]
 
     def update(self, model, protection: CFPState, lams: Sequence[float], step: int) -> list[KLEstimate]:
         """Measure the KL of each anchor on `model` now (after the correction with `lams`) and update the rule's
@@ -239,8 +239,9 @@ class KLControl:
         if self.rule == "adaptive":  # the lams of the steps that follow, logged from now
             self.held = protection.lams = controlled_lams(lams, kls, self.budgets)
             return estimates
-        if step % self.every == 0:  # the floors' feedback, at the adaptive rule's measurements only
-            self.held = controlled_lams(self.held, kls, self.budgets)
+        if step % self.every == 0:  # the floors' feedback, at the adaptive rule's measurements only, up to the caps
+            floors = controlled_lams(self.held, kls, self.budgets)
+            self.held = [min(floor, cap) for floor, cap in zip(floors, self.caps, strict=True)]
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
             self.targets = [b * q / kl for b, kl, q in zip(self.budgets, kls, predicted, strict=True)]

@@ -121,7 +121,8 @@ def test_the_feedforward_floor_follows_the_adaptive_rule_at_every_kl_every_th_st
 
 def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(monkeypatch):
     """With MAX_PULL small the cap binds: lam_t = MAX_PULL / p99(F) over the anchor's coordinates (a quantile of the
-    concatenated F, against the anchor's streamed statistics)."""
+    concatenated F, against the anchor's streamed statistics), and the floor, which the KL far above the budget
+    raises 20% at every measurement, stops at the cap."""
     monkeypatch.setattr(kl_control, "MAX_PULL", 1e-3)
     base, rows = tiny_llama(), full_batch_rows()
     anchor = random_anchor(base)
@@ -135,6 +136,7 @@ def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(m
     cap = 1e-3 / torch.quantile(f, 0.99).item()
     assert lams[0] == 0.5 and lams[-1] == pytest.approx(cap, rel=1e-3)
     assert protector.metrics()["cfp/math/lam_capped"] == 1.0
+    assert cap < 0.5 and protector.control.held == [protector.control.caps[0]]  # the start, raised, stopped there
 
 
 UNMET_ON_THE_DIAGONAL = pytest.mark.xfail(
