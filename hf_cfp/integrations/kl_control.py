@@ -204,10 +204,6 @@ class KLControl:
         early = self.rule == "feedforward" and step < self.every and step & (step - 1) == 0
         return step % self.every == 0 or early
 
-    def next_due(self, step: int) -> int:
-        """The first measured step after `step`."""
-        return next(later for later in range(step + 1, step + self.every + 1) if self.due(later))
-
     def lams(self, protection: CFPState) -> list[float]:
         """lam_t for the step whose proposal `protection` holds now (module docstring)."""
         if self.targets is None:
