@@ -121,10 +121,12 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--plot", action="store_true")
     parser.add_argument("--compare", nargs="+", default=None, help="output directories to draw side by side")
+    parser.add_argument("--compare-plot", default=None, help="where --compare draws (default: compare.png beside them)")
     args = parser.parse_args(argv)
     if args.compare:
         records = {Path(d).name: json.loads((Path(d) / "kl_budget.json").read_text()) for d in args.compare}
-        print(f"Plot: {plot_compare(records, Path(args.compare[0]).parent / 'compare.png')}")
+        path = Path(args.compare_plot or Path(args.compare[0]).parent / "compare.png")
+        print(f"Plot: {plot_compare(records, path)}")
         return
     datasets.disable_progress_bars()
     out = Path(args.output_dir or ("kl-budget-tiny" if args.tiny else "kl-budget-smollm2"))
@@ -237,7 +239,8 @@ def plot_compare(records: dict[str, dict], path: Path) -> Path:
         task.errorbar(at, [c["task_gain"] for c in checks], [1.96 * c["task_gain_stderr"] for c in checks], fmt="s-")
     measured.set(ylabel="measured KL (kl_prompts), nats", title=f"kl_budget {budget:g} (band: +-25%)")
     heldout.set(ylabel="held-out math KL, nats")
-    lams.set(ylabel="lam", yscale="symlog", xlabel="optimizer step")
+    positive = all(row["lam"] > 0 for record in records.values() for row in record["logged"])
+    lams.set(ylabel="lam", yscale="log" if positive else "symlog", xlabel="optimizer step")  # log labels one decade
     task.set(ylabel="held-out task gain (nats/token)", xlabel="optimizer step")
     measured.legend(fontsize=8)
     figure.tight_layout()
