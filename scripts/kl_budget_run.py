@@ -121,7 +121,7 @@ def main(argv=None) -> None:
     parser.add_argument("--output-dir", default=None)
     parser.add_argument("--plot", action="store_true")
     parser.add_argument("--compare", nargs="+", default=None, help="output directories to draw side by side")
-    parser.add_argument("--compare-plot", default=None, help="where --compare draws (default: compare.png beside them)")
+    parser.add_argument("--compare-plot", default=None, help="where --compare draws (default: compare.png by them)")
     args = parser.parse_args(argv)
     if args.compare:
         records = {Path(d).name: json.loads((Path(d) / "kl_budget.json").read_text()) for d in args.compare}
