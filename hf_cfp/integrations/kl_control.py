@@ -12,9 +12,12 @@ ZeRO-3 every process takes part in the scoring forward passes. Two rules (`kl_co
 
 - "feedforward" (the default), measured every `every` steps and at steps 1, 2, 4, ... before the first. The
   predicted KL Q_k = 0.5 Delta^T F_k Delta (`CFPState.predicted_kls`) is far below the measured one, but their
-  ratio rho_k = KL_k / Q_k moves slowly, so each measurement sets a target on Q, T_k = B_k / rho_k: where the
-  measured KL meets the budget if the ratio stays (the ratio grows with lam itself, so a trend of it would carry
-  the controller's own moves forward: docs/reports/strength.md). At every step lam_t is the smallest that holds the
+  ratio rho_k = KL_k / Q_k moves slowly, so the measurements set a target on Q, T_k = B_k / rho_k: where the
+  measured KL meets the budget if the ratio stays. The first measurement sets T_k = B_k / rho_k; a later one
+  lowers T_k to B_k / rho_k at once, and raises it only to the geometric mean sqrt(T_k B_k / rho_k): a measurement
+  under the budget then lowers lam about half as far, which damps the low-high alternation a target set by one low
+  measurement started on the embedded run (the ratio grows with lam itself, so a trend of it would carry the
+  controller's own moves forward: docs/reports/strength.md). At every step lam_t is the smallest that holds the
   predicted KL of the optimizer's proposal within T (`CFPState.budget_lams`: 0 while under it), and at least a floor
   L_k: the feedback under the feed-forward solve, PPO's adaptive rule below applied to L_k at every `every`-th
   step's measurement, L_k <- L_k (1 + clip(KL_k / B_k - 1, -0.2, 0.2)) from the starting `lam` (while lam_t = 0 the
@@ -60,6 +63,14 @@ def controlled_lams(lams: Sequence[float], kls: Sequence[float], budgets: Sequen
         lam * (1.0 + min(max(kl / budget - 1.0, -MAX_CHANGE), MAX_CHANGE))
         for lam, kl, budget in zip(lams, kls, budgets, strict=True)
     ]
+
+
+def damped_targets(last: Sequence[float] | None, measured: Sequence[float]) -> list[float]:
+    """The feed-forward rule's targets after a measurement: `measured` (B_k / rho_k) at the first, then
+    min(B_k / rho_k, sqrt(T_k B_k / rho_k)) for every anchor k."""
+    if last is None:
+        return list(measured)
+    return [min(new, math.sqrt(target * new)) for target, new in zip(last, measured, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -240,7 +251,9 @@ class KLControl:
             self.held = [min(floor, cap) for floor, cap in zip(floors, self.caps, strict=True)]
         predicted = protection.predicted_kls()
         if all(kl > 0 and q > 0 for kl, q in zip(kls, predicted, strict=True)):
-            self.targets = [b * q / kl for b, kl, q in zip(self.budgets, kls, predicted, strict=True)]
+            self.targets = damped_targets(
+                self.targets, [b * q / kl for b, kl, q in zip(self.budgets, kls, predicted, strict=True)]
+            )
         return estimates
 
     def metrics(self, estimates: Sequence[KLEstimate]) -> dict[str, float]:

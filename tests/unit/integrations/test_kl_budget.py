@@ -9,6 +9,7 @@ checkpoint and from `state_dict`; refused arguments."""
 
 import copy
 import json
+import math
 import shutil
 
 import pytest
@@ -23,7 +24,7 @@ from hf_cfp import CFP, CFPCallback, CFPError, estimate_fisher, kl_to_base
 from hf_cfp.errors import CFPArgumentError
 from hf_cfp.evaluation import BaseResponses, draw_base_responses
 from hf_cfp.integrations import kl_control
-from hf_cfp.integrations.kl_control import STATE_FILE, controlled_lams
+from hf_cfp.integrations.kl_control import STATE_FILE, controlled_lams, damped_targets
 
 PROMPTS = [[1, 5, 7], [2, 9], [3, 4, 11, 12], [6, 8]]  # token ids: no tokenizer needed
 DRAW = dict(num_samples_per_prompt=4, max_new_tokens=64, temperature=1.0, seed=0)  # kl_prompts' defaults
@@ -32,6 +33,11 @@ DRAW = dict(num_samples_per_prompt=4, max_new_tokens=64, temperature=1.0, seed=0
 def test_the_rule_is_ppos_clipped_proportional_update():
     lams = controlled_lams([2.0, 2.0, 2.0, 2.0, 3.0], [0.15, 0.105, 0.0, 0.09, 0.1], [0.1] * 5)
     assert lams == pytest.approx([2.4, 2.1, 1.6, 1.8, 3.0])
+
+
+def test_a_target_falls_at_once_and_rises_to_the_geometric_mean():
+    assert damped_targets(None, [3.0, 0.5]) == [3.0, 0.5]  # the first measurement sets them
+    assert damped_targets([4.0, 1.0, 2.0], [1.0, 4.0, 2.0]) == pytest.approx([1.0, 2.0, 2.0])
 
 
 def test_each_measurement_is_the_kl_to_base_and_moves_lam_by_the_adaptive_rule():
@@ -62,8 +68,9 @@ def test_each_measurement_is_the_kl_to_base_and_moves_lam_by_the_adaptive_rule()
 
 
 def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_step():
-    """kl_every=4 over 12 steps: measured at 1, 2, 4, 8, 12. After a measurement with KL > 0 the target is
-    T = B / rho, rho = KL / Q (Q: the logged predicted KL, KL: kl_to_base from a copy of the base); from then on
+    """kl_every=4 over 12 steps: measured at 1, 2, 4, 8, 12. After the first measurement with KL > 0 the target
+    is T = B / rho, rho = KL / Q (Q: the logged predicted KL, KL: kl_to_base from a copy of the base), after each
+    later one B / rho where that is lower, else the geometric mean of the last T and B / rho; from then on
     each step's lam is its floor (`held`) with the predicted KL it leaves within T, or leaves it at T (the solve's
     1% tolerance), or is the cap (the random anchor's F is far from the model's: the ratio climbs, and the cap
     binds before step 12); before, lam is the start."""
@@ -89,7 +96,8 @@ def test_the_feedforward_rule_retargets_at_each_measurement_and_solves_every_ste
             kl = kl_to_base(base, model, None, PROMPTS, **DRAW)
             assert protector.measured[0].kl == pytest.approx(kl, rel=1e-9, abs=1e-12)
             if kl > 0:
-                target = budget * predicted / kl
+                new = budget * predicted / kl
+                target = new if target is None else min(new, math.sqrt(target * new))
                 assert control.targets == pytest.approx([target], rel=1e-6)
 
     adamw_loop(model, rows, 12, after_step=after_step)
