@@ -148,9 +148,9 @@ def test_the_feedforward_cap_is_a_pull_of_max_pull_at_the_99th_percentile_of_f(m
 
 
 UNMET_ON_THE_DIAGONAL = pytest.mark.xfail(
-    strict=True,
-    reason="peaks at 1.26 B (step 18), an overshoot on the approach to the budget: over 20 random tiny models the "
-    "rule meets these bounds on 7 with the diagonal anchor and 9 with K-FAC, PPO's adaptive rule on 1 "
+    strict=False,  # 1.2509 B: so near the bound that another CPU's rounding may meet it
+    reason="peaks at 1.251 B (step 18), an overshoot on the approach to the budget: over 20 random tiny models the "
+    "rule meets these bounds on 6 with the diagonal anchor and 9 with K-FAC, PPO's adaptive rule on 1 "
     "(scripts/kl_budget_seeds.py, docs/reports/strength.md)",
 )
 
@@ -163,8 +163,8 @@ def test_the_feedforward_rule_holds_the_measured_kl_within_a_quarter_of_the_budg
     """120 AdamW steps at lr 1e-2 on 8 rows, measured every 2 steps, with the tiny model's own Fisher on the prompts
     as the anchor (diagonal; K-FAC at rank 4 with tails): no measurement above 1.25 of a 0.5-nat budget, and every
     one within 25% of it from the first above 0.75 of it, while the same run without protection ends more than 20x
-    above it. Met with the K-FAC anchor; with the diagonal one the rule is known to miss it (strict xfail: a pass
-    would be reported)."""
+    above it. Met with the K-FAC anchor; with the diagonal one the rule misses it by 0.001 B (an expected failure that
+    may pass where rounding differs)."""
     base, rows, budget = tiny_llama(), full_batch_rows(n=8), 0.5
     anchor = estimate_fisher(base, None, PROMPTS, num_sequences=32, max_new_tokens=16, name="math", **structure)
     responses = draw(base, num_samples_per_prompt=8, max_new_tokens=16)
