@@ -7,7 +7,9 @@ every protection and the baselines a practitioner would pick instead, each measu
     python scripts/long_run.py --behaviour --plot     # issue 50: behaviour, a second seed, several capabilities
 
 Results (`results.jsonl`), tables (`long_run.md`) and plots go to --output-dir; an interrupted run resumes where it
-stopped. What each arm is: `scripts/longrun/plan.py`; what is measured: `scripts/longrun/measure.py`.
+stopped. Started more than once on one --output-dir, the processes share the arms (`scripts/longrun/workers.py`;
+on 2 cores two workers on one thread each outrun one on two threads: `scripts/bench_workers.py`). What each arm
+is: `scripts/longrun/plan.py`; what is measured: `scripts/longrun/measure.py`.
 """
 
 import argparse

@@ -1,6 +1,7 @@
 """Run the long run: the task (built once from the base model's answers), the base references, then every arm of the
 plan (each after the anchors it needs that are not saved yet), one JSON line per arm in `<output_dir>/results.jsonl`
-as it finishes (`resume` skips the arms already there, as the evidence run does).
+as it finishes (`resume` skips the arms already there, as the evidence run does); several processes started on one
+output directory share the arms (`workers`).
 
 A row: `key`, `arm`, `steps` (optimizer steps; 0 for WiSE-FT), `metrics` (`measure.Probe.final`, plus
 `train_seconds` and `seconds_per_step` without the measuring time), `math_examples` (`Probe.math_examples`: the
@@ -31,6 +32,7 @@ from .data import generic_prompts, task_items
 from .measure import Probe, base_references
 from .plan import Plan
 from .training import TrainedArm, TrainerFactory, train_arm
+from .workers import claim_next, exclusive
 
 HISTORY_KEYS = ("step", "loss", "reward", "kl", "kl_penalty", "lwf_kl", "rewards/chosen", "rewards/margins")
 
@@ -114,31 +116,42 @@ class LongRun:
 
 
 def run_long(plan: Plan, model_name: str, output_dir: str, anchors_dir: str | None = None) -> list[dict]:
-    """Every arm of `plan` not yet in `<output_dir>/results.jsonl`; returns all the rows (base first)."""
+    """Every arm of `plan` not yet in `<output_dir>/results.jsonl`, shared with any other process started on the
+    same directory (`workers`); returns the rows written so far (base first, then in plan order)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "results.jsonl"
-    done = done_rows(results)
     arms = plan.arms()
-    todo = [arm for arm in arms if arm.key not in done]
-    run = LongRun(plan, model_name, out, Path(anchors_dir) if anchors_dir else out / "anchors", todo)
-    if "base" not in done:
-        rewarded = plan.optimizers[-1]  # a GRPO optimizer when the plan has one: the base's rewards too
-        metrics = run.probe.final(run.base_model, rewarded)
-        done["base"] = {
-            "key": "base",
-            "steps": 0,
-            "metrics": metrics,
-            "math_examples": run.probe.math_examples(run.base_model),
-        }
-        append_row(results, done["base"])
-    bar = tqdm(todo, desc="arms", unit="arm")
-    for arm in bar:
+    with exclusive(out):  # the first worker makes the task, the references, the LwF targets and the base row
+        done = done_rows(results)
+        todo = [arm for arm in arms if arm.key not in done]
+        run = LongRun(plan, model_name, out, Path(anchors_dir) if anchors_dir else out / "anchors", todo)
+        if "base" not in done:
+            append_row(results, base_row(run, plan))
+    bar = tqdm(total=len(todo), desc="arms (this worker)", unit="arm")
+    while True:
+        with exclusive(out):
+            arm = claim_next(arms, done_rows(results), run.run_dir)
+            if arm is None:
+                break
+            run.store.prepare(plan.anchors_of(arm))  # made when first needed, outside the arm's seconds
         bar.set_postfix_str(arm.key)
-        run.store.prepare(plan.anchors_of(arm))  # made when first needed, outside the arm's seconds
-        done[arm.key] = run.run_arm(arm)
-        append_row(results, done[arm.key])
+        row = run.run_arm(arm)
+        with exclusive(out):
+            append_row(results, row)
         shutil.rmtree(run.run_dir(arm), ignore_errors=True)
-        metrics = done[arm.key]["metrics"]
-        tqdm.write(f"{arm.key}: math kl {metrics['math/kl']:.4g}, {done[arm.key]['seconds']:.0f} s")
-    return [done[key] for key in ["base", *(arm.key for arm in arms)]]
+        bar.update()
+        tqdm.write(f"{arm.key}: math kl {row['metrics']['math/kl']:.4g}, {row['seconds']:.0f} s")
+    rows = done_rows(results)
+    return [rows[key] for key in ["base", *(arm.key for arm in arms)] if key in rows]
+
+
+def base_row(run: LongRun, plan: Plan) -> dict:
+    """The base model's row (measured as the arms' final points)."""
+    rewarded = plan.optimizers[-1]  # a GRPO optimizer when the plan has one: the base's rewards too
+    return {
+        "key": "base",
+        "steps": 0,
+        "metrics": run.probe.final(run.base_model, rewarded),
+        "math_examples": run.probe.math_examples(run.base_model),
+    }

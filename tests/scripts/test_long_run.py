@@ -4,12 +4,15 @@ steps and the items behind every number, the tables and both plots are written, 
 without training again. Numbers checked: the base model's KL to itself is exactly 0; the unregularized SFT run
 learns its held-out task; WiSE-FT at a = 0.5 is measured without training; no arm's checkpoints are left behind."""
 
+import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from support.extras import needs
-from support.tiny_runs import result_rows, run_tiny
+from support.tiny_runs import SCRIPTS, result_rows, run_tiny
 
 needs("trl", "datasets", "peft")
 
@@ -67,3 +70,29 @@ def test_a_second_call_resumes_without_training(tiny_run):
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "results.jsonl").read_text() == before
     assert "Writing the task" not in again.stdout and "Estimating anchor" not in again.stdout
+
+
+TIMING = ("seconds", "train_seconds", "seconds_per_step")
+
+
+def measured(row: dict) -> dict:
+    """A row without its timings (what two runs of one arm agree on)."""
+    metrics = {k: v for k, v in row["metrics"].items() if k not in TIMING}
+    return {**{k: v for k, v in row.items() if k not in TIMING}, "metrics": metrics}
+
+
+def test_two_workers_share_the_arms_and_measure_what_one_does(tiny_run, tmp_path):
+    _, alone = tiny_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, str(SCRIPTS / "long_run.py"), "--tiny", "--output-dir", str(tmp_path)]
+    workers = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    outputs = [worker.communicate(timeout=600) for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0], outputs[0][1][-2000:] + outputs[1][1][-2000:]
+    keys = [json.loads(line)["key"] for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert sorted(keys) == sorted(["base", *(arm.key for arm in TINY.arms())])  # each arm once
+    trained = [sum(f"{arm.key}: math kl" in out for arm in TINY.arms()) for out, _ in outputs]
+    assert min(trained) > 0, trained  # both workers trained arms
+    together = result_rows(tmp_path)
+    assert {key: measured(row) for key, row in together.items()} == {key: measured(row) for key, row in alone.items()}
