@@ -75,7 +75,7 @@ class CFPCallback(TrainerCallback):
         *,
         kl_budget: float | Sequence[float] | None = None,
         kl_prompts: Any = None,
-        kl_every: int = 10,
+        kl_every: int = 8,
         kl_control: str = "feedforward",
         predicted_kl_budget: float | Sequence[float] | None = None,
         scale_lam_with_lr: bool = False,

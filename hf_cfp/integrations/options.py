@@ -91,9 +91,10 @@ class ProtectionOptions:
         "drawn already with `hf_cfp.evaluation.draw_base_responses` (what `CFP` needs for text prompts).",
     )
     kl_every: int = option(
-        10,
+        8,
         help="Optimizer steps between two measurements of `kl_budget`; each costs one scoring pass over the base "
-        "responses of `kl_prompts`.",
+        "responses of `kl_prompts`. The default held the budget with a K-FAC anchor on the embedded model; a diagonal "
+        "anchor needed 2 (docs/reports/strength.md).",
     )
     kl_control: str = option(
         "feedforward",

@@ -176,7 +176,7 @@ class CFPConfig:
     cfp_lam: list[float] | None = field(default=None, metadata=_described("lam"))
     cfp_kl_budget: list[float] | None = field(default=None, metadata=_described("kl_budget"))
     cfp_kl_prompts: str | None = field(default=None, metadata=_described("kl_prompts"))
-    cfp_kl_every: int = field(default=10, metadata=_described("kl_every"))
+    cfp_kl_every: int = field(default=8, metadata=_described("kl_every"))
     cfp_kl_control: str = field(default="feedforward", metadata=_described("kl_control"))
     cfp_predicted_kl_budget: list[float] | None = field(default=None, metadata=_described("predicted_kl_budget"))
     cfp_scale_lam_with_lr: bool = field(default=False, metadata=_described("scale_lam_with_lr"))
