@@ -44,13 +44,13 @@ def process_id(pid: int | None = None) -> dict:
     return {"boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "pid": pid, "start": start}
 
 
-def held_by_another(run_dir: Path) -> bool:
-    """Whether a running process other than this one holds the arm trained in `run_dir`."""
+def held(run_dir: Path) -> bool:
+    """Whether a running process holds the arm trained in `run_dir` (its claim names a live process)."""
     try:
         holder = json.loads((run_dir / CLAIM).read_text())
     except (OSError, ValueError):
         return False
-    return holder["pid"] != os.getpid() and process_id(holder["pid"]) == holder
+    return process_id(holder["pid"]) == holder
 
 
 def ready(arm: Arm, done: Mapping[str, dict]) -> bool:
@@ -64,7 +64,7 @@ def claim_next(arms: Sequence[Arm], done: Mapping[str, dict], run_dir: Callable[
     """The first arm in plan order without a row that is ready and no running process holds, claimed for this
     process (call under `exclusive`); None when there is none."""
     for arm in arms:
-        if arm.key in done or not ready(arm, done) or held_by_another(run_dir(arm)):
+        if arm.key in done or not ready(arm, done) or held(run_dir(arm)):
             continue
         run_dir(arm).mkdir(parents=True, exist_ok=True)
         (run_dir(arm) / CLAIM).write_text(json.dumps(process_id()))
