@@ -64,6 +64,20 @@ def _factor(
     return (vectors.double() @ (t @ y)), (mu + tail).clamp(min=0), tail
 
 
+def nearest_mixture(
+    h_g: torch.Tensor, h_a: torch.Tensor, lams: list[float]
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(c, d, s) of the Kronecker product s (sum_k c_k G_k) (x) (sum_k d_k A_k) nearest sum_k lam_k G_k (x) A_k, from
+    the factors' Gram matrices H_G, H_A (K x K, float64; module docstring), c and d scaled to unit sums."""
+    lam = torch.tensor(lams, dtype=torch.float64)
+    values, vectors = torch.linalg.eig((lam[:, None] * h_a * lam[None, :]) @ h_g)
+    c = vectors[:, values.real.argmax()].real
+    c = c * c.sign().sum().sign()  # the Perron vector, positive
+    d = lam * (h_g @ c)
+    s = float((lam * (h_g @ c) * (h_a @ d)).sum() / ((c @ h_g @ c) * (d @ h_a @ d)))
+    return c / c.sum(), d / d.sum(), s * float(c.sum() * d.sum())  # G_p, A_p: unit-sum mixtures; s carries lam
+
+
 def pooled_term(terms: list[tuple[KroneckerBasis, float]], reduce: Reduce) -> tuple[KroneckerBasis, float]:
     """(basis of G_p (x) A_p, s): the Kronecker product nearest sum_k lam_k G_k,r (x) A_k,r (module docstring), in
     the terms' vectors dtype; `reduce` completes sums over the rows of U_G held here."""
@@ -73,13 +87,7 @@ def pooled_term(terms: list[tuple[KroneckerBasis, float]], reduce: Reduce) -> tu
     in_dim, out_dim = terms[0][0].a_vectors.shape[-2], _rows(terms, reduce)
     a_gram, h_a, a_spread = _side(a_parts, in_dim, None)
     g_gram, h_g, g_spread = _side(g_parts, out_dim, reduce)
-    lams = torch.tensor([lam for _, lam in terms], dtype=torch.float64)
-    values, vectors = torch.linalg.eig((lams[:, None] * h_a * lams[None, :]) @ h_g)
-    c = vectors[:, values.real.argmax()].real
-    c = c * c.sign().sum().sign()  # the Perron vector, positive
-    d = lams * (h_g @ c)
-    s = float((lams * (h_g @ c) * (h_a @ d)).sum() / ((c @ h_g @ c) * (d @ h_a @ d)))
-    s, c, d = s * float(c.sum() * d.sum()), c / c.sum(), d / d.sum()  # G_p, A_p: unit-sum mixtures; s carries lam
+    c, d, s = nearest_mixture(h_g, h_a, [lam for _, lam in terms])
     a_tails, g_tails = [float(t) for _, _, t in a_parts], [float(t) for _, _, t in g_parts]
     a_vectors, a_values, a_tail = _factor(torch.cat([p[0] for p in a_parts], -1), a_gram, a_spread, a_tails, d)
     g_vectors, g_values, g_tail = _factor(torch.cat([p[0] for p in g_parts], -1), g_gram, g_spread, g_tails, c)

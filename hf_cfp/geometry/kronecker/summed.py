@@ -99,8 +99,8 @@ class SummedTensors:
         return SummedPenalty(factored, sum(rows[1:], rows[0]) if rows else None)
 
     def preconditioner(self, i: int, penalty: SummedPenalty) -> tuple[KroneckerBasis, float]:
-        """Weight i's pooled term (`pooled`), kept (float32 eigenvectors) while the ratios of the lams stay
-        within 1e-3: s follows their sum."""
+        """Weight i's pooled term (`pooled`), the preconditioner of a penalty with a diagonal term, kept (float32
+        eigenvectors) while the ratios of the lams stay within 1e-3: s follows their sum."""
         lams = [lam for _, lam in penalty.factored]
         if len(lams) == 1:  # one K-FAC term (beside diagonal ones): its own closed form
             return penalty.preconditioner()
@@ -129,7 +129,7 @@ class SummedTensors:
                 continue
             start = t.oriented(t.theta0)
             penalty = self.penalty(i, lams)
-            pooled = self.preconditioner(i, penalty)
+            pooled = None if penalty.diagonal is None else self.preconditioner(i, penalty)  # K-FAC alone: by blocks
             solve = solve_summed((weight - start).double(), penalty, _reduce(t.sharded), preconditioner=pooled)
             weight.copy_(solve.x.add_(start))
             tally = local if t.sharded else counts

@@ -10,16 +10,19 @@ and the correction is its exact proximal map at the proposal D = theta' - theta0
     (I + sum_k lam_k K_k + diag(sum_j lam_j F_j)) vec(X) = vec(D)        (row-major vec).
 
 A sum of Kronecker products has no common eigenbasis, so no closed form: the system (symmetric positive definite)
-is solved by preconditioned conjugate gradient. Each product with K_k is one projection onto the anchor's
-eigenvectors and back (`proximal.block_factors` with the blocks' scales lam_k e: 4 out x in x r multiply-adds).
-The preconditioner is the closed-form inverse of the Kronecker product nearest the sum, (I + s G_p (x) A_p)^-1
-(`pooled`; exact when the anchors share a factor; its rank is up to the sum of theirs), and the start is
-that preconditioner applied to D, a function of D alone, so a resumed run repeats every iteration bit for bit (a
-start from the previous step's solution would need a weight-sized buffer per weight, saved in every checkpoint).
-The solve runs in float64 whatever the weights' dtype: strengths lam e reach 1e5-1e6 for anchors at c = 10 on the
-embedded model, which leaves a float32 residual a floor near 1e-7 x 1e6. It stops when the relative residual
-|D - A X| / |D| is at most `TOLERANCE` (1e-6) or after `MAX_ITERATIONS`. Cost: K products and one preconditioner
-to start, the same per iteration, against one closed form for one anchor.
+is solved by preconditioned conjugate gradient (`conjugate`), in float64 whatever the weights' dtype (strengths lam
+e reach 1e5-1e6 for anchors at c = 10 on the embedded model, which leaves a float32 residual a floor near 1e-7 x
+1e6), until the relative residual |D - A X| / |D| is at most `TOLERANCE` (1e-6) or after `MAX_ITERATIONS`. The
+start is the preconditioner applied to D, a function of D alone, so a resumed run repeats every iteration bit for
+bit (a start from the previous step's solution would need a weight-sized buffer per weight, saved in every
+checkpoint).
+
+- K-FAC terms alone (`summed_blocks`): three of the four blocks of the anchors' pooled eigenvectors are solved in
+  closed form; conjugate gradient runs on the remaining one, a matrix of at most (sum r_G) x (sum r_A).
+- With a diagonal term: conjugate gradient on the whole weight. Each product with K_k is one projection onto the
+  anchor's eigenvectors and back (`proximal.block_factors` with the blocks' scales lam_k e: 4 out x in x r
+  multiply-adds); the preconditioner is the closed-form inverse of the Kronecker product nearest the K-FAC terms,
+  (I + s G_p (x) A_p)^-1 (`pooled`; its rank is up to the sum of theirs).
 
 Under row sharding (FSDP2) a process holds rows of X and of each U_G: the projections' partial sums and the dot
 products are completed by `reduce` (an all-reduce), so every process takes the same iterations.
@@ -30,8 +33,10 @@ from dataclasses import dataclass
 import torch
 
 from .basis import KroneckerBasis, Reduce, no_reduce, projected
+from .conjugate import Solve, conjugate_gradient
 from .pooled import pooled_term
 from .proximal import block_factors, shrink_factors
+from .summed_blocks import solve_blocks
 
 MAX_ITERATIONS = 250  # anchors at c = 10 on the embedded model needed 97-169 (docs/reports/performance.md)
 TOLERANCE = 1e-6  # the relative residual the solve stops at (it runs in float64)
@@ -79,15 +84,6 @@ def closed_form(basis: KroneckerBasis, lam: float, x: torch.Tensor, reduce: Redu
     return torch.addmm(x, left.to(x.dtype), right.to(x.dtype), beta=float(tail))  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
-class Solve:
-    """The solution X, the conjugate-gradient iterations taken, and the relative residual reached."""
-
-    x: torch.Tensor
-    iterations: int
-    residual: float
-
-
 def solve_summed(
     d: torch.Tensor,
     penalty: SummedPenalty,
@@ -96,33 +92,24 @@ def solve_summed(
     preconditioner: tuple[KroneckerBasis, float] | None = None,
 ) -> Solve:
     """The proximal map X = (I + sum_k lam_k K_k + diag(sum_j lam_j F_j))^-1 D of the summed penalty at the
-    proposal D (module docstring), by preconditioned conjugate gradient, in D's dtype (the callers pass float64);
-    `preconditioner`: the pooled term (basis, s) when already computed (`pooled_term`), else computed here."""
+    proposal D (module docstring), in D's dtype (the callers pass float64). K-FAC terms alone: by their pooled
+    eigenvectors' blocks (`summed_blocks`); with a diagonal term: by preconditioned conjugate gradient on the whole
+    weight, `preconditioner` the pooled term (basis, s) when already computed (`pooled_term`), else computed here."""
+    if penalty.diagonal is None:
+        return solve_blocks(d, penalty.factored, reduce, TOLERANCE, max_iterations)
     basis, lam = penalty.preconditioner(reduce) if preconditioner is None else preconditioner
-    stop = TOLERANCE
 
     def dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         total = torch.stack([(a * b).sum(dtype=torch.float64)])
         reduce([total])
         return total[0]
 
-    target = float(dot(d, d).sqrt())
-    x = closed_form(basis, lam, d, reduce)
-    r = d - penalty.apply(x, reduce)
-    residual = float(dot(r, r).sqrt()) / target if target > 0 else 0.0
-    z = closed_form(basis, lam, r, reduce)
-    p, rz = z, dot(r, z)
-    iterations = 0
-    while residual > stop and iterations < max_iterations:
-        q = penalty.apply(p, reduce)
-        alpha = float(rz / dot(p, q))
-        x.add_(p, alpha=alpha)
-        r.sub_(q, alpha=alpha)
-        iterations += 1
-        residual = float(dot(r, r).sqrt()) / target
-        if residual <= stop:
-            break
-        z = closed_form(basis, lam, r, reduce)
-        rz, previous = dot(r, z), rz
-        p = z.add_(p, alpha=float(rz / previous))
-    return Solve(x, iterations, residual)
+    return conjugate_gradient(
+        d,
+        lambda x: penalty.apply(x, reduce),
+        lambda r: closed_form(basis, lam, r, reduce),
+        dot,
+        float(dot(d, d).sqrt()),
+        TOLERANCE,
+        max_iterations,
+    )

@@ -39,7 +39,7 @@ def dense_system(terms, diagonal=None):
     return system
 
 
-@pytest.mark.parametrize("rank", [None, 3])
+@pytest.mark.parametrize("rank", [None, 3, 2])  # 2: every block of `summed_blocks` holds directions
 @pytest.mark.parametrize("anchors", [2, 3])
 @pytest.mark.parametrize("with_diagonal", [False, True])
 def test_the_solve_is_the_dense_proximal_map(rank, anchors, with_diagonal):
@@ -47,10 +47,13 @@ def test_the_solve_is_the_dense_proximal_map(rank, anchors, with_diagonal):
     g = torch.Generator().manual_seed(7)
     diagonal = 4.0 * torch.rand(OUT, IN, generator=g, dtype=torch.float64) if with_diagonal else None
     d = torch.randn(OUT, IN, generator=g, dtype=torch.float64)
-    want = torch.linalg.solve(dense_system(terms, diagonal), d.reshape(-1)).reshape(OUT, IN)
+    system = dense_system(terms, diagonal)
+    want = torch.linalg.solve(system, d.reshape(-1)).reshape(OUT, IN)
     penalty = SummedPenalty([(basis.placed("cpu", torch.float64), lam) for basis, lam in terms], diagonal)
     solve = solve_summed(d, penalty)
     assert solve.residual <= TOLERANCE and solve.iterations >= 1
+    residual = float((system @ solve.x.reshape(-1) - d.reshape(-1)).norm() / d.norm())
+    assert residual == pytest.approx(solve.residual, rel=0.05)  # the reported residual is the whole system's
     # the system is >= I, so |X - X*| <= |residual| <= TOLERANCE |D|
     assert float((solve.x - want).norm()) <= TOLERANCE * float(d.norm())
 
@@ -74,12 +77,17 @@ def test_the_product_is_the_dense_operator():
     assert torch.allclose(penalty.apply(x), want, atol=1e-6)
 
 
-def test_row_shards_completed_by_a_reduce_give_the_whole_solution():
-    """Two 'processes' holding rows 0:2 and 2:6 of X and U_G: each projection's partial sums and each dot product
-    are summed across them (a simulated all-reduce), and each recovers its rows of the whole solve."""
-    terms = [(random_basis(8, rank=3), 4.0), (random_basis(9, rank=3), 12.0)]
-    d = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
-    whole = solve_summed(d, SummedPenalty([(b.placed("cpu", torch.float64), lam) for b, lam in terms])).x
+@pytest.mark.parametrize("with_diagonal", [False, True])
+def test_row_shards_completed_by_a_reduce_give_the_whole_solution(with_diagonal):
+    """Two 'processes' holding rows 0:2 and 2:6 of X, U_G (and the diagonal term): each projection's partial sums,
+    Gram matrix and dot product are summed across them (a simulated all-reduce), and each recovers its rows of the
+    whole solve (K-FAC terms alone: by blocks, each of them holding directions; with a diagonal term: by conjugate
+    gradient on the whole weight)."""
+    terms = [(random_basis(8, rank=2), 4.0), (random_basis(9, rank=2), 12.0)]
+    g = torch.Generator().manual_seed(10)
+    d = torch.randn(OUT, IN, generator=g, dtype=torch.float64)
+    diagonal = 4.0 * torch.rand(OUT, IN, generator=g, dtype=torch.float64) if with_diagonal else None
+    whole = solve_summed(d, SummedPenalty([(b.placed("cpu", torch.float64), lam) for b, lam in terms], diagonal)).x
     splits = [slice(0, 2), slice(2, OUT)]
     shards = [
         [
@@ -102,7 +110,8 @@ def test_row_shards_completed_by_a_reduce_give_the_whole_solution():
         return reduce
 
     def run(rank):
-        penalty = SummedPenalty([(b.placed("cpu", torch.float64), lam) for b, lam in shards[rank]])
+        rows = None if diagonal is None else diagonal[splits[rank]]
+        penalty = SummedPenalty([(b.placed("cpu", torch.float64), lam) for b, lam in shards[rank]], rows)
         results[rank] = solve_summed(d[splits[rank]], penalty, make_reduce(rank))
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
