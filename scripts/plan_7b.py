@@ -50,6 +50,10 @@ under DDP), bases cut to r_A and r_G eigenpairs (`geometry.kronecker.basis` stat
   (out x r_A) too, float32, and |D|^2 (float64) are all-reduced per weight and step. ZeRO-3 also corrects its fp32
   master partitions (`geometry.kronecker.master`), twice the work and communication. Two summed anchors are refused
   on flat pieces (no row). Memory: as FSDP2.
+- Two summed anchors (`summed`, `block_flops`): the exact proximal map of their summed penalty by the blocks of
+  their pooled eigenvectors, in float64 at `--fp64-tflops`, with the conjugate-gradient iterations per weight that
+  `scripts/bench_kfac.py` measured on the embedded model (`--iterations`). Its small blocks (m x m, m = 2 R at
+  these widths) are solved alike on every FSDP2 rank, and by each weight's owner under DDP.
 """
 
 import argparse
@@ -102,6 +106,8 @@ TAILED_BYTES = 70  # HBM bytes per parameter of the tailed correction (module do
 UNTAILED_BYTES = 40  # the same without a tail
 TEMPORARY_BYTES = 8  # live temporaries per parameter of the batch being corrected
 DIAGONAL_BYTES = 10  # the diagonal correction: theta, theta0, F (float32) read, theta written
+SUMMED_BYTES = 104  # the summed map per parameter: D float64 formed (4 + 8) and read twice (16), X written (8 + 8)
+# and updated three times (48), theta0 read and the weight written (12)
 
 
 @dataclass(frozen=True)
@@ -221,6 +227,7 @@ class Cost:
     flops: float
     traffic: float  # HBM bytes
     communicated: float  # bytes sent and received by one rank
+    float64_flops: float = 0.0  # the summed proximal map's, at the float64 peak
 
     @property
     def memory(self) -> float:
@@ -229,6 +236,7 @@ class Cost:
     def seconds(self, args: argparse.Namespace) -> tuple[float, float]:
         """(compute and memory time, communication time)."""
         compute = self.flops / (args.bf16_tflops * 1e12 * args.efficiency)
+        compute += self.float64_flops / (args.fp64_tflops * 1e12 * args.efficiency)
         compute += self.traffic / (args.hbm_tbps * 1e12 * args.efficiency)
         return compute, self.communicated / (args.link_gbps * 1e9)
 
@@ -288,22 +296,41 @@ def flat(model: Model, weights: list[Weight], n: int, master: bool) -> Cost:
     )
 
 
-def summed(cost: Cost, weights: list[Weight], rows_of, anchors: int, iterations: float, sharded: bool) -> Cost:
-    """`cost` of one anchor's closed form carried to the summed proximal map of `anchors` K-FAC anchors on every
-    factored weight (`geometry.kronecker.summed_solve`): (1 + K) products to start and (1 + K) per conjugate-gradient
-    iteration, each about one closed-form correction's FLOPs, HBM traffic and (row shards) all-reduced bytes, plus 2
-    scalars per iteration; K anchors' bases; the solve's temporaries, five float32 vectors of the largest weight (X
-    and the residual, preconditioned residual, direction and product). The diagonal F's few passes are scaled alike (an
-    upper bound)."""
-    products = (1 + anchors) * (1 + iterations)
+def block_flops(w: Weight, rows: float, anchors: int, iterations: float) -> float:
+    """Float64 FLOPs of the summed proximal map of `anchors` K-FAC anchors on `rows` of w, by the blocks of their
+    pooled eigenvectors (`geometry.kronecker.summed_blocks`), m = min(width, K r) pooled directions a side: the
+    products with D (Q_L^T D, D Q_R, the blocks mapped back: 5 rows in m + 2 m^2 in multiply-adds, the two small
+    solves' 2 m^2 in more), the orthonormal bases and their coordinates (two Gram passes and Q^T U: 5 (rows + in) m^2)
+    and the small factors (K m^2 (r_G + r_A)), two Cholesky factorizations and two eigendecompositions (about 20
+    m^3), and (2 K + 4) m^3 per conjugate-gradient iteration and at the start."""
+    m = max(min(w.out_dim, anchors * w.r_g), min(w.in_dim, anchors * w.r_a))
+    products = 5 * rows * w.in_dim * m + 4 * m * m * w.in_dim
+    bases = 5 * (rows + w.in_dim) * m * m + anchors * m * m * (w.r_g + w.r_a)
+    small = (20 + (iterations + 1) * (2 * anchors + 4)) * m**3
+    return 2 * (products + bases + small)
+
+
+def summed(cost: Cost, weights: list[Weight], rows_of, anchors: int, iterations: float, n: int, sharded: bool) -> Cost:
+    """`cost` of one anchor's closed form with the summed proximal map of `anchors` K-FAC anchors added on every
+    factored weight (`block_flops`; the closed form's FLOPs, traffic and reduces kept as an upper bound for the
+    passes around it): under FSDP2 every rank solves its rows of every weight (the small blocks alike on each), under
+    DDP each weight by one owner (the work split evenly); `SUMMED_BYTES` of HBM traffic per parameter solved; under
+    row shards Q_L^T D (m x in), two Gram matrices and the coordinates Q_L^T U_G (float64) all-reduced per weight; K
+    anchors' bases; the solve's temporaries, D and X float64 of the largest weight."""
+    share = 1 if sharded else n
+    reduced = sum(
+        8 * (m * w.in_dim + 2 * m * m + m * anchors * w.r_g)
+        for w in weights
+        for m in [min(w.out_dim, anchors * w.r_g)]
+    )
     largest = max(rows_of(w) * w.in_dim for w in weights)
     return replace(
         cost,
         bases=anchors * cost.bases,
-        temporaries=cost.temporaries + 5 * 4 * largest,
-        flops=products * cost.flops,
-        traffic=products * cost.traffic,
-        communicated=products * cost.communicated if sharded else cost.communicated,
+        temporaries=cost.temporaries + 16 * largest,
+        float64_flops=sum(block_flops(w, rows_of(w), anchors, iterations) for w in weights) / share,
+        traffic=cost.traffic + SUMMED_BYTES * sum(rows_of(w) * w.in_dim for w in weights) / share,
+        communicated=cost.communicated + (2 * (n - 1) / n * reduced if sharded else 0.0),
     )
 
 
@@ -375,22 +402,24 @@ def report(name: str, args: argparse.Namespace) -> None:
                 continue  # refused on flat pieces
             cost = fn(model, weights, n)
             if key == "two_anchor_":
-                cost = summed(cost, weights, rows_of, 2, args.iterations, plan == "fsdp2")
+                cost = summed(cost, weights, rows_of, 2, args.iterations, n, plan == "fsdp2")
             compute, comm = cost.seconds(args)
             share = (compute + comm) / step_s
             weights_bytes = 2 * model.params / (1 if plan == "ddp" else n)  # the rank's bf16 weights
             over = cost.memory + weights_bytes > args.hbm_gb * GB
             fits = f" (with the weights' {weights_bytes / GB:.0f} GB: over HBM)" if over else ""
+            fp64 = f" + {cost.float64_flops / 1e12:.2f} float64" if cost.float64_flops else ""
             print(
                 f"| {plan.upper()}, {label}{fits} | {cost.theta0 / GB:.1f} GB | {cost.bases / GB:.2f} GB "
                 f"| {cost.fisher / GB:.2f} GB | {cost.memory / GB:.1f} GB | {cost.temporaries / GB:.1f} GB "
-                f"| {cost.flops / 1e12:.2f} TFLOP | {cost.traffic / GB:.1f} GB | {cost.communicated / GB:.2f} GB "
+                f"| {cost.flops / 1e12:.2f} TFLOP{fp64} | {cost.traffic / GB:.1f} GB "
+                f"| {cost.communicated / GB:.2f} GB "
                 f"| {compute * 1e3:.1f} + {comm * 1e3:.1f} ms | {share:.2%} |"
             )
             results.update(
                 {
                     f"{key}{plan}_gb_per_rank": cost.memory / GB,
-                    f"{key}{plan}_tflop_per_rank": cost.flops / 1e12,
+                    f"{key}{plan}_tflop_per_rank": (cost.flops + cost.float64_flops) / 1e12,
                     f"{key}{plan}_comm_gb_per_rank": cost.communicated / GB,
                     f"{key}{plan}_step_share": share,
                 }
@@ -409,6 +438,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per optimizer step per GPU")
     parser.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization of the training step")
     parser.add_argument("--bf16-tflops", type=float, default=989.0, help="dense bf16 peak (H100 SXM)")
+    parser.add_argument("--fp64-tflops", type=float, default=67.0, help="dense float64 peak (H100 SXM tensor cores)")
     parser.add_argument("--hbm-tbps", type=float, default=3.35, help="HBM bandwidth, TB/s (H100 SXM)")
     parser.add_argument("--hbm-gb", type=float, default=80.0, help="HBM per GPU, GB (H100 SXM)")
     parser.add_argument("--link-gbps", type=float, default=360.0, help="collective bus bandwidth, GB/s (NVLink)")
@@ -421,7 +451,8 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     print(
-        f"Assumed per GPU: dense bf16 {args.bf16_tflops:g} TFLOP/s, HBM {args.hbm_tbps:g} TB/s, {args.hbm_gb:g} GB, "
+        f"Assumed per GPU: dense bf16 {args.bf16_tflops:g} TFLOP/s, float64 {args.fp64_tflops:g}, "
+        f"HBM {args.hbm_tbps:g} TB/s, {args.hbm_gb:g} GB, "
         f"both at {args.efficiency:.0%}; collectives at {args.link_gbps:g} GB/s; training at {args.mfu:.0%} MFU. "
         "Correction time = FLOPs + HBM traffic + communication, no overlap (computed, not measured)."
     )

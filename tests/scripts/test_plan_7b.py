@@ -59,3 +59,37 @@ def test_tailed_flops_count_the_products_of_the_correction():
     assert w.tailed and w.flops(rows) == sum(2 * a * b * c for a, b, c in products)
     full = plan.Weight("w", out_dim, in_dim, in_dim, out_dim)
     assert not full.tailed and full.flops(rows) == 2 * (2 * rows * in_dim * in_dim + 2 * rows * in_dim * out_dim)
+
+
+@pytest.mark.parametrize("iterations", [5, 20])
+def test_the_summed_blocks_flops_are_the_solves_matrix_products(iterations):
+    """`block_flops` without its factorizations (20 m^3) and triangular solves (2 m^2 in) against torch's count of
+    the matrix products `solve_blocks` runs for two tailed anchors, forced to `iterations` (within 20%: the count is
+    an estimate of the order of each product, not a tally)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hf_cfp.geometry.kronecker.basis import KroneckerBasis
+    from hf_cfp.geometry.kronecker.summed_blocks import solve_blocks
+
+    plan, (out_dim, in_dim, r) = load_plan(), (96, 160, 12)
+    g = torch.Generator().manual_seed(0)
+
+    def factor(n):
+        x = torch.randn(n, n, generator=g, dtype=torch.float64)
+        values, vectors = torch.linalg.eigh(x @ x.T / n)
+        return vectors.flip(-1)[:, :r], values.flip(-1)[:r]
+
+    def basis():
+        (a_vectors, a_values), (g_vectors, g_values) = factor(in_dim), factor(out_dim)
+        tail = torch.tensor(0.01, dtype=torch.float64)
+        return KroneckerBasis(a_vectors, a_values, g_vectors, g_values, tail, tail)
+
+    d, terms = torch.randn(out_dim, in_dim, generator=g, dtype=torch.float64), [(basis(), 30.0), (basis(), 50.0)]
+    with FlopCounterMode(display=False) as counter:
+        solve = solve_blocks(d, terms, tolerance=0.0, max_iterations=iterations)
+    assert solve.iterations == iterations
+    m = 2 * r
+    predicted = plan.block_flops(plan.Weight("w", out_dim, in_dim, r, r), out_dim, 2, iterations)
+    predicted -= 2 * (20 * m**3 + 2 * m * m * in_dim)
+    assert counter.get_total_flops() == pytest.approx(predicted, rel=0.2)
