@@ -30,8 +30,8 @@ DPO seed 0 for the unregularized run, the KL penalty, LwF, the isotropic pull an
 strength; then several capabilities protected at once under SFT and GRPO with the brevity reward (seeds 0 and 1,
 c of `kfac_strengths`): the union anchor, math alone, and each seed's unregularized run; then the second seed of
 SFT and DPO, every method at both strengths; then the rest (seed 0's other arms and strengths, a third GRPO seed
-for the arms of `third_seed_arms`); last the summed-penalty arms (`summed`), whose correction costs about 1,000
-times one anchor's on this CPU (docs/reports/performance.md, run S).
+for the arms of `third_seed_arms`); last the summed-penalty arms (`summed`), whose correction costs hundreds of
+times one anchor's on this CPU (docs/reports/performance.md, runs S and U).
 """
 
 from dataclasses import dataclass, replace
