@@ -69,7 +69,7 @@ def test_the_summed_blocks_flops_are_the_solves_matrix_products(iterations):
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from hf_cfp.geometry.kronecker.basis import KroneckerBasis
+    from hf_cfp.geometry.kronecker.basis import KroneckerBasis, no_reduce
     from hf_cfp.geometry.kronecker.summed_blocks import solve_blocks
 
     plan, (out_dim, in_dim, r) = load_plan(), (96, 160, 12)
@@ -87,7 +87,7 @@ def test_the_summed_blocks_flops_are_the_solves_matrix_products(iterations):
 
     d, terms = torch.randn(out_dim, in_dim, generator=g, dtype=torch.float64), [(basis(), 30.0), (basis(), 50.0)]
     with FlopCounterMode(display=False) as counter:
-        solve = solve_blocks(d, terms, tolerance=0.0, max_iterations=iterations)
+        solve = solve_blocks(d, terms, no_reduce, tolerance=0.0, max_iterations=iterations)
     assert solve.iterations == iterations
     m = 2 * r
     predicted = plan.block_flops(plan.Weight("w", out_dim, in_dim, r, r), out_dim, 2, iterations)

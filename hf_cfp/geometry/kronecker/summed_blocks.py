@@ -87,12 +87,13 @@ class CoreBlock:
 def solve_blocks(
     d: torch.Tensor,
     factored: list[tuple[KroneckerBasis, float]],
-    reduce: Reduce = no_reduce,
-    tolerance: float = 1e-6,
-    max_iterations: int = 250,
+    reduce: Reduce,
+    tolerance: float,
+    max_iterations: int,
 ) -> Solve:
     """X = (I + sum_k lam_k G_k (x) A_k)^-1 D for the K-FAC terms (basis, lam_k), D the rows held here (float64),
-    by the four blocks of the module docstring; iterations and residual are the L x R block's."""
+    by the four blocks of the module docstring, conjugate gradient on L x R to `tolerance` |D| or `max_iterations`
+    (`summed_solve` passes its own); iterations and residual are the L x R block's."""
     lams = [float(lam) for _, lam in factored]
     q_l, g_small, g_tails = _side([(b.g_vectors, b.g_values, float(b.tails()[1])) for b, _ in factored], reduce)
     q_r, a_small, a_tails = _side([(b.a_vectors, b.a_values, float(b.tails()[0])) for b, _ in factored], no_reduce)
