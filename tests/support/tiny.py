@@ -29,14 +29,29 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+# torch's gloo teardown race (pytorch/pytorch#190489): DDP keeps its gloo process group alive past
+# `destroy_process_group`, and a gloo worker thread that frees a finished collective's work while the interpreter
+# shuts down aborts a process whose run had finished, with this message (docs/guides/distributed.md,
+# scripts/probe_gloo_teardown.py).
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def run_cpu_processes(command: list, timeout: int, env: dict | None):
     """Run a launcher `command` with one intra-op thread and no visible GPU (extra environment `env`);
-    returns the CompletedProcess (stdout/stderr captured)."""
+    returns the CompletedProcess (stdout/stderr captured). A run that failed with torch's gloo teardown abort
+    (`GLOO_TEARDOWN_ABORT`) is started once more, with a warning; any other failure is returned as it is."""
     import os
     import subprocess
+    import warnings
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env or {})}
-    return subprocess.run(list(map(str, command)), env=env, capture_output=True, text=True, timeout=timeout)
+    arguments = list(map(str, command))
+    run = subprocess.run(arguments, env=env, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0 and GLOO_TEARDOWN_ABORT in run.stderr:
+        launch = " ".join(arguments[1:])[:300]
+        warnings.warn(f"torch's gloo teardown abort in `{launch}`; running it once more", stacklevel=3)
+        run = subprocess.run(arguments, env=env, capture_output=True, text=True, timeout=timeout)
+    return run
 
 
 def torchrun(script, *args, nproc: int = 2, timeout: int = 300, env: dict | None = None):
