@@ -12,6 +12,8 @@
   progress the method's own arms reached, which rests on the line to its zero strength alone, is marked `BEYOND`.
   Per capability and target, the method with the least KL is named, with the next best and the best of the other
   kind (baseline or CFP), each as a ratio to the least.
+- Seed by seed, per optimizer (`seeds_table`): every arm run on more than one seed, its final measures side by
+  side.
 - Along each run, per optimizer (`trajectory_table`): each trained arm's KL where its own measured curve reaches
   those shares, as if it had been stopped there (GRPO: shares of the unregularized run's last logged training
   reward gain over the base model's held-out reward).
@@ -284,6 +286,31 @@ def trajectory_table(rows: list[dict], plan: Plan, optimizer: str, seed: int) ->
     return "\n".join(lines)
 
 
+def seeds_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
+    """Every arm (method, strength) run on more than one seed, its final measures side by side, seed by seed
+    ("a / b", each with its 95% interval where it has one): how far a second seed moves each number. Empty where no
+    arm has two seeds."""
+    task = task_key(optimizer, plan)
+    measures = [(task, ".3g"), ("math/kl", ".3g"), ("safety/kl", ".3g"), ("math/exact_match", ".2f")]
+    by_arm: dict[tuple[str, float], dict[int, dict]] = defaultdict(dict)
+    for row in _rows_of(rows, optimizer):
+        arm = row["arm"]
+        by_arm[(method_label(arm, plan), arm["strength"])][arm["seed"]] = row["metrics"]
+    lines = []
+    for (label, strength), seeds in by_arm.items():
+        if len(seeds) < 2:
+            continue
+        order = sorted(seeds)
+        cells = [" / ".join(_interval(seeds[s], key, spec) for s in order) for key, spec in measures]
+        refusals = " / ".join(f"{seeds[s].get('safety/refusal_rate', math.nan):.2f}" for s in order)
+        seed_names = "/".join(str(s) for s in order)
+        lines.append(f"| {label} | {strength:g} | {seed_names} | " + " | ".join([*cells, refusals]) + " |")
+    if not lines:
+        return ""
+    header = f"| arm | strength | seeds | {task} | math KL | safety KL | math exact match | refusal rate |"
+    return "\n".join([header, "|---|---|---|---|---|---|---|---|", *lines])
+
+
 def compared_seeds(rows: list[dict], optimizer: str) -> list[int]:
     """The seeds of `optimizer` with an arm beside the unregularized run (more than one row), in order."""
     arms_per_seed = Counter(r["arm"]["seed"] for r in _rows_of(rows, optimizer))
@@ -291,7 +318,8 @@ def compared_seeds(rows: list[dict], optimizer: str) -> list[int]:
 
 
 def markdown_report(rows: list[dict], plan: Plan) -> str:
-    """Every table, per optimizer that has rows: the final table, then the matched comparisons of each seed with
+    """Every table, per optimizer that has rows: the final table, the arms run on several seeds side by side
+    (`seeds_table`), then the matched comparisons of each seed with
     an arm beside its unregularized run. With `Plan.behaviour`, SFT and DPO judged on behaviour first, then on
     the held-out log-likelihood measures (`proxy_view`) as a second view."""
     parts = ["# Long run", ""]
@@ -304,6 +332,9 @@ def markdown_report(rows: list[dict], plan: Plan) -> str:
             if not own or (view is not plan and grpo_reward(optimizer)):
                 continue
             parts += [f"## {optimizer.upper()}{title}", "", final_table(rows, view, optimizer), ""]
+            side_by_side = seeds_table(rows, view, optimizer)
+            if side_by_side:
+                parts += ["### Seed by seed", "", side_by_side, ""]
             for seed in compared_seeds(rows, optimizer):
                 matched = matched_table(rows, view, optimizer, seed)
                 parts += [f"### At matched task progress (seed {seed})", "", matched, ""]

@@ -19,6 +19,7 @@ from longrun.report import (  # noqa: E402
     matched_table,
     method_colours,
     plot_report,
+    seeds_table,
     strength_rank,
     task_curve,
     trajectory_table,
@@ -252,3 +253,18 @@ def test_the_plots_draw_each_compared_seed_frontiers_in_one_column_curves_in_one
     frontier, curves = plot_report(rows, EMBEDDED, tmp_path)
     assert Image.open(frontier).width == 2 * 5 * 120
     assert Image.open(curves).width == 3 * 5 * 120
+
+
+def test_seed_by_seed_sets_each_arm_run_on_two_seeds_side_by_side_with_its_intervals():
+    """The KL penalty ran on seeds 0 and 1 (gain 0.5 +- 1.96 * 0.1 and 0.3, no stderr), LwF on seed 0 alone: one
+    row, the seeds' values in seed order; a plan with no arm on two seeds has no table."""
+    kl = row("sft", "kl", 0.3, 0.5, 2.0)
+    kl["metrics"] |= {"task/sft_gain_stderr": 0.1, "math/exact_match": 0.25, "safety/refusal_rate": 2 / 24}
+    later = seeded(1, row("sft", "kl", 0.3, 0.3, 4.0))[0]
+    later["metrics"] |= {"math/exact_match": 0.2, "safety/refusal_rate": 0.0}
+    lwf = row("sft", "lwf", 1.0, 0.4, 1.0, "math")
+    table = seeds_table([kl, lwf, later], EMBEDDED, "sft")
+    lines = table.splitlines()
+    assert lines[0].startswith("| arm | strength | seeds | task/sft_gain | math KL |") and len(lines) == 3
+    assert lines[2] == "| KL penalty | 0.3 | 0/1 | 0.5 ± 0.196 / 0.3 | 2 / 4 | 6 / 12 | 0.25 / 0.20 | 0.08 / 0.00 |"
+    assert seeds_table([kl, lwf], EMBEDDED, "sft") == ""
