@@ -94,6 +94,10 @@ def _interval(metrics: dict, key: str, spec: str = ".3g") -> str:
     return f"{value:{spec}} ± {1.96 * stderr:{spec}}"
 
 
+def _refusal_rate(metrics: dict) -> str:
+    return f"{metrics['safety/refusal_rate']:.2f}" if "safety/refusal_rate" in metrics else MISSING
+
+
 def _rows_of(rows: list[dict], optimizer: str) -> list[dict]:
     return [r for r in rows if r["key"] != "base" and r["arm"]["optimizer"] == optimizer]
 
@@ -120,7 +124,7 @@ def final_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
             _interval(m, task) if task in m else MISSING,
             *(_interval(m, f"{d}/kl") for d in ("math", "code", "safety")),
             _interval(m, "math/exact_match", ".2f") + f" (n={m.get('math/items', '?')})",
-            f"{m['safety/refusal_rate']:.2f}" if "safety/refusal_rate" in m else MISSING,
+            _refusal_rate(m),
             f"{seconds:.2f}" if seconds else MISSING,
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -302,7 +306,7 @@ def seeds_table(rows: list[dict], plan: Plan, optimizer: str) -> str:
             continue
         order = sorted(seeds)
         cells = [" / ".join(_interval(seeds[s], key, spec) for s in order) for key, spec in measures]
-        refusals = " / ".join(f"{seeds[s].get('safety/refusal_rate', math.nan):.2f}" for s in order)
+        refusals = " / ".join(_refusal_rate(seeds[s]) for s in order)
         seed_names = "/".join(str(s) for s in order)
         lines.append(f"| {label} | {strength:g} | {seed_names} | " + " | ".join([*cells, refusals]) + " |")
     if not lines:
