@@ -217,7 +217,8 @@ def floats_per_param(anchor: FisherAnchor, factored_only: bool = False) -> float
     return stored / covered
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The benchmark's options; `--quick` sets 4 sequences and 1 round."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sequences", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -243,6 +244,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.sequences, args.rounds = 4, 1
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     r = args.rank
     if args.only_two_anchors:

@@ -362,6 +362,42 @@ def describe_layout(model, ranked, full, r: int) -> None:
     )
 
 
+def diagonal_rows(model: Model, n: int, step_s: float, args: argparse.Namespace) -> None:
+    """The FSDP2 rows of a diagonal anchor: theta0 (bf16) and F per rank, (6 + bytes of F) x P / n of HBM traffic."""
+    for label, f_bytes in (("FSDP2, diagonal anchor, F float32", 4), ("FSDP2, diagonal anchor, F bfloat16", 2)):
+        seconds = (6 + f_bytes) * model.params / n / (args.hbm_tbps * 1e12 * args.efficiency)
+        memory = (2 + f_bytes) * model.params / n
+        print(
+            f"| {label} | {2 * model.params / n / GB:.1f} GB | - | {f_bytes * model.params / n / GB:.1f} GB "
+            f"| {memory / GB:.1f} GB | - | - | {(6 + f_bytes) * model.params / n / GB:.1f} GB | - "
+            f"| {seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
+        )
+
+
+def kfac_row(label: str, plan: str, cost: Cost, model: Model, step_s: float, args: argparse.Namespace) -> dict:
+    """Print one K-FAC plan's table row and return its RESULT figures (per rank: GB, TFLOP, GB sent, step share)."""
+    n = args.ranks
+    compute, comm = cost.seconds(args)
+    share = (compute + comm) / step_s
+    weights_bytes = 2 * model.params / (1 if plan == "ddp" else n)  # the rank's bf16 weights
+    over = cost.memory + weights_bytes > args.hbm_gb * GB
+    fits = f" (with the weights' {weights_bytes / GB:.0f} GB: over HBM)" if over else ""
+    fp64 = f" + {cost.float64_flops / 1e12:.2f} float64" if cost.float64_flops else ""
+    print(
+        f"| {plan.upper()}, {label}{fits} | {cost.theta0 / GB:.1f} GB | {cost.bases / GB:.2f} GB "
+        f"| {cost.fisher / GB:.2f} GB | {cost.memory / GB:.1f} GB | {cost.temporaries / GB:.1f} GB "
+        f"| {cost.flops / 1e12:.2f} TFLOP{fp64} | {cost.traffic / GB:.1f} GB "
+        f"| {cost.communicated / GB:.2f} GB "
+        f"| {compute * 1e3:.1f} + {comm * 1e3:.1f} ms | {share:.2%} |"
+    )
+    return {
+        "gb_per_rank": cost.memory / GB,
+        "tflop_per_rank": (cost.flops + cost.float64_flops) / 1e12,
+        "comm_gb_per_rank": cost.communicated / GB,
+        "step_share": share,
+    }
+
+
 def report(name: str, args: argparse.Namespace) -> None:
     model, n, r = load(name), args.ranks, args.kfac_rank
     step_s = 6 * model.params * args.tokens_per_gpu / (args.mfu * args.bf16_tflops * 1e12)
@@ -375,14 +411,7 @@ def report(name: str, args: argparse.Namespace) -> None:
         "| communicated per rank | time per step | / training step |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, f_bytes in (("FSDP2, diagonal anchor, F float32", 4), ("FSDP2, diagonal anchor, F bfloat16", 2)):
-        seconds = (6 + f_bytes) * model.params / n / (args.hbm_tbps * 1e12 * args.efficiency)
-        memory = (2 + f_bytes) * model.params / n
-        print(
-            f"| {label} | {2 * model.params / n / GB:.1f} GB | - | {f_bytes * model.params / n / GB:.1f} GB "
-            f"| {memory / GB:.1f} GB | - | - | {(6 + f_bytes) * model.params / n / GB:.1f} GB | - "
-            f"| {seconds * 1e3:.1f} ms | {seconds / step_s:.2%} |"
-        )
+    diagonal_rows(model, n, step_s, args)
     results = {}
     two = f"K-FAC rank {r} + tails, two anchors summed ({args.iterations:g} iterations)"
     plans = {
@@ -403,27 +432,8 @@ def report(name: str, args: argparse.Namespace) -> None:
             cost = fn(model, weights, n)
             if key == "two_anchor_":
                 cost = summed(cost, weights, rows_of, 2, args.iterations, n, plan == "fsdp2")
-            compute, comm = cost.seconds(args)
-            share = (compute + comm) / step_s
-            weights_bytes = 2 * model.params / (1 if plan == "ddp" else n)  # the rank's bf16 weights
-            over = cost.memory + weights_bytes > args.hbm_gb * GB
-            fits = f" (with the weights' {weights_bytes / GB:.0f} GB: over HBM)" if over else ""
-            fp64 = f" + {cost.float64_flops / 1e12:.2f} float64" if cost.float64_flops else ""
-            print(
-                f"| {plan.upper()}, {label}{fits} | {cost.theta0 / GB:.1f} GB | {cost.bases / GB:.2f} GB "
-                f"| {cost.fisher / GB:.2f} GB | {cost.memory / GB:.1f} GB | {cost.temporaries / GB:.1f} GB "
-                f"| {cost.flops / 1e12:.2f} TFLOP{fp64} | {cost.traffic / GB:.1f} GB "
-                f"| {cost.communicated / GB:.2f} GB "
-                f"| {compute * 1e3:.1f} + {comm * 1e3:.1f} ms | {share:.2%} |"
-            )
-            results.update(
-                {
-                    f"{key}{plan}_gb_per_rank": cost.memory / GB,
-                    f"{key}{plan}_tflop_per_rank": (cost.flops + cost.float64_flops) / 1e12,
-                    f"{key}{plan}_comm_gb_per_rank": cost.communicated / GB,
-                    f"{key}{plan}_step_share": share,
-                }
-            )
+            row = kfac_row(label, plan, cost, model, step_s, args)
+            results.update({f"{key}{plan}_{figure}": value for figure, value in row.items()})
     print(
         f"RESULT model={name} gpus={n} kfac_rank={r} linear_weights_diagonal={len(model.linear_diagonal)} "
         f"factored_share={factored / model.params:.4f} " + " ".join(f"{k}={v:.3g}" for k, v in results.items())
