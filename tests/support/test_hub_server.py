@@ -140,6 +140,24 @@ def test_commits_to_branches_and_pull_requests(local_hub, api, populated):
     assert local_hub.resolve(REPO, "anchors") == f.oid
 
 
+def _offline_configs(hub: LocalHub, cache: Path, revisions: list[str]) -> dict:
+    """Each revision's cfp_config.json as snapshot_download reads it with HF_HUB_OFFLINE=1 in a fresh process (the
+    flag is read at import time)."""
+    script = textwrap.dedent(f"""
+        import json
+        from huggingface_hub import snapshot_download
+        out = {{}}
+        for rev in {revisions!r}:
+            p = snapshot_download("{REPO}", revision=rev, allow_patterns={PATTERNS!r}, cache_dir={str(cache)!r})
+            out[rev] = open(p + "/cfp/math/cfp_config.json").read()
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": hub.endpoint}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_downloads_by_branch_sha_tag_pr_and_offline_reuse(local_hub, api, populated, tmp_path):
     a, b, c = populated["A"], populated["B"], populated["C"]
     local_hub.create_tag(REPO, "v1", revision=a.oid)
@@ -151,6 +169,17 @@ def test_downloads_by_branch_sha_tag_pr_and_offline_reuse(local_hub, api, popula
         "refs/pr/1": (c.oid, b'{"v": 3}', b"\x03" * 64),
     }
 
+    def download(rev: str, **kwargs) -> str:
+        return snapshot_download(
+            REPO,
+            revision=rev,
+            allow_patterns=PATTERNS,
+            cache_dir=cache,
+            endpoint=local_hub.endpoint,
+            token=TOKEN,
+            **kwargs,
+        )
+
     def check(path: str, rev: str) -> None:
         sha, config, tensors = expected[rev]
         assert Path(path).name == sha  # snapshot folder = resolved commit
@@ -159,12 +188,7 @@ def test_downloads_by_branch_sha_tag_pr_and_offline_reuse(local_hub, api, popula
         assert tree["cfp/math/cfp_config.json"] == config and tree["cfp/math/fisher.safetensors"] == tensors
 
     for rev in expected:
-        check(
-            snapshot_download(
-                REPO, revision=rev, allow_patterns=PATTERNS, cache_dir=cache, endpoint=local_hub.endpoint, token=TOKEN
-            ),
-            rev,
-        )
+        check(download(rev), rev)
     # PR refs travel URL-encoded
     assert any(r.raw_path.endswith("/revision/refs%2Fpr%2F1") for r in local_hub.requests)
     one = hf_hub_download(
@@ -180,50 +204,12 @@ def test_downloads_by_branch_sha_tag_pr_and_offline_reuse(local_hub, api, popula
     # --- the Hub goes away: everything is served from the cache
     local_hub.stop()
     for rev in expected:
-        check(
-            snapshot_download(
-                REPO,
-                revision=rev,
-                allow_patterns=PATTERNS,
-                cache_dir=cache,
-                endpoint=local_hub.endpoint,
-                token=TOKEN,
-                local_files_only=True,
-            ),
-            rev,
-        )
+        check(download(rev, local_files_only=True), rev)
     # no local_files_only: the connection error falls back to the cache too
-    check(
-        snapshot_download(
-            REPO, revision="main", allow_patterns=PATTERNS, cache_dir=cache, endpoint=local_hub.endpoint, token=TOKEN
-        ),
-        "main",
-    )
+    check(download("main"), "main")
     with pytest.raises(LocalEntryNotFoundError):
-        snapshot_download(
-            REPO,
-            revision="never-fetched",
-            allow_patterns=PATTERNS,
-            cache_dir=cache,
-            endpoint=local_hub.endpoint,
-            token=TOKEN,
-            local_files_only=True,
-        )
-
-    # HF_HUB_OFFLINE=1 in a fresh process (the flag is read at import time)
-    script = textwrap.dedent(f"""
-        import json
-        from huggingface_hub import snapshot_download
-        out = {{}}
-        for rev in ["main", "refs/pr/1", "{a.oid}"]:
-            p = snapshot_download("{REPO}", revision=rev, allow_patterns={PATTERNS!r}, cache_dir={str(cache)!r})
-            out[rev] = open(p + "/cfp/math/cfp_config.json").read()
-        print(json.dumps(out))
-    """)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": local_hub.endpoint}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+        download("never-fetched", local_files_only=True)
+    out = _offline_configs(local_hub, cache, ["main", "refs/pr/1", a.oid])
     assert out == {"main": '{"v": 2}', "refs/pr/1": '{"v": 3}', a.oid: '{"v": 1}'}
 
     # and back online on the same endpoint, state kept
