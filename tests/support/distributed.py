@@ -255,6 +255,24 @@ def held_theta0(state):
     return [(t.name, t.held.start, t.held.stop, t.theta0.detach().reshape(-1).clone()) for t in state.tensors]
 
 
+def fsdp1_full_params(model):
+    """An FSDP1 model's full parameters by canonical name, gathered on every rank."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from hf_cfp.names import canonical_name
+
+    with FullyShardedDataParallel.summon_full_params(model):
+        return {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+
+
+def zero3_full_params(model):
+    """A DeepSpeed model's full parameters by name, gathered on every rank (ZeRO-3 partitions included)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def initial_params():
     """name -> the initial weights of the tiny model (theta0 of every run)."""
     return {n: p.detach().clone() for n, p in make_model().named_parameters()}

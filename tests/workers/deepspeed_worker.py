@@ -40,6 +40,7 @@ from support.distributed import (
     make_rows,
     make_state,
     trainable,
+    zero3_full_params,
 )
 
 from hf_cfp.imports import is_peft_available
@@ -86,7 +87,6 @@ def main(out, one):
     from hf_cfp.anchor.fingerprint import model_fingerprint
 
     rank = dist.get_rank()
-    saved = {}
     fingerprint = model_fingerprint(make_model())  # checked at train begin on the ZeRO-2/3 model
 
     def make_checked_callback(model):
@@ -94,52 +94,7 @@ def main(out, one):
         callback.anchor.metadata["base_fingerprint"] = fingerprint
         return callback
 
-    model = make_model()
-    callback = make_checked_callback(model)
-    trainer = zero_trainer(2, model, [callback], f"{out}/zero2")
-    trainer.train()
-    master = callback.protection.master
-    saved["zero2_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
-    saved["zero2_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    saved["zero2_optimizer"] = type(trainer.optimizer.optimizer).__name__
-    saved["zero2_master_numel"] = sum(t.numel() for t in master.theta0) if master is not None else -1
-    # The fp32 master copy agrees with the corrected model parameters.
-    saved["zero2_master_gap"] = (
-        max(
-            (
-                p._hp_mapping.get_hp_fragment()
-                - p.detach().reshape(-1)[p._hp_mapping.lp_fragment_address.start :][
-                    : p._hp_mapping.lp_fragment_address.numel
-                ]
-            )
-            .abs()
-            .max()
-            .item()
-            for p in master.fragments
-        )
-        if master is not None and master.fragments
-        else -1.0
-    )
-
-    import deepspeed
-    from accelerate.state import AcceleratorState
-
-    for tag, threshold in (("zero3", None), ("zero3_partitioned", 0)):  # default: every tiny parameter persists
-        AcceleratorState._reset_state()  # accelerate allows one DeepSpeed plugin per process: start over
-        model = make_model()
-        callback = make_checked_callback(model)
-        save_steps = RESUME_STEP if tag == "zero3_partitioned" else None
-        trainer = zero_trainer(3, model, [callback], f"{out}/{tag}", threshold, save_steps)
-        trainer.train()
-        # theta0 and F are kept for this process's partitions only
-        saved[f"{tag}_owned"] = (
-            sum(t.numel() for t in callback.protection.theta0),
-            sum(f.numel() for f in callback.protection.views["math"].fisher),
-        )
-        saved[f"{tag}_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
-        saved[f"{tag}_persisted"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            saved[f"{tag}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    saved = {**zero2_case(out, make_checked_callback), **zero3_cases(out, make_checked_callback)}
     saved.update(zero3_resume_case(out, one, rank))
     if is_peft_available():  # the LoRA cases need the `peft` extra (their tests skip without it)
         saved.update(lora_case(out))
@@ -148,11 +103,51 @@ def main(out, one):
     dist.destroy_process_group()
 
 
+def zero2_case(out, make_checked_callback):
+    """ZeRO-2 trained with the callback: logs, parameters, the optimizer DeepSpeed wrapped, the theta0 numel of the
+    master-copy pieces, and the largest gap between the fp32 master copy and the corrected model parameters."""
+    model = make_model()
+    callback = make_checked_callback(model)
+    trainer = zero_trainer(2, model, [callback], f"{out}/zero2")
+    trainer.train()
+    master = callback.protection.master
+    return {
+        "zero2_logs": [h for h in trainer.state.log_history if "loss" in h][-1],
+        "zero2_params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "zero2_optimizer": type(trainer.optimizer.optimizer).__name__,
+        "zero2_master_numel": sum(t.numel() for t in master.theta0) if master is not None else -1,
+        "zero2_master_gap": master_gap(master.fragments if master is not None else []),
+    }
+
+
+def zero3_cases(out, make_checked_callback):
+    """ZeRO-3 with tiny parameters persisting (the default) and with every parameter partitioned: what each process
+    keeps of theta0 and F, logs, how many parameters persist, and the gathered parameters."""
+    from accelerate.state import AcceleratorState
+
+    results = {}
+    for tag, threshold in (("zero3", None), ("zero3_partitioned", 0)):  # default: every tiny parameter persists
+        AcceleratorState._reset_state()  # accelerate allows one DeepSpeed plugin per process: start over
+        model = make_model()
+        callback = make_checked_callback(model)
+        save_steps = RESUME_STEP if tag == "zero3_partitioned" else None
+        trainer = zero_trainer(3, model, [callback], f"{out}/{tag}", threshold, save_steps)
+        trainer.train()
+        # theta0 and F are kept for this process's partitions only
+        results[f"{tag}_owned"] = (
+            sum(t.numel() for t in callback.protection.theta0),
+            sum(f.numel() for f in callback.protection.views["math"].fisher),
+        )
+        results[f"{tag}_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
+        results[f"{tag}_persisted"] = sum(bool(getattr(p, "ds_persist", False)) for p in model.parameters())
+        results[f"{tag}_params"] = zero3_full_params(model)
+    return results
+
+
 def zero3_resume_case(out, one, rank):
     """ZeRO-3 (every parameter partitioned) resumed by a new Trainer and callback from a copy of
     checkpoint-RESUME_STEP, and the negative control (the copy without theta0, restart_path_on_resume=True);
     then theta0 restored on the resumed model from `one` (saved by 1 process) through a CFPState."""
-    import deepspeed
     import torch.distributed as dist
     from accelerate.state import AcceleratorState
 
@@ -172,8 +167,7 @@ def zero3_resume_case(out, one, rank):
         trainer.train(resume_from_checkpoint=str(moved))
         results[f"zero3_{tag}_logs"] = [h for h in trainer.state.log_history if "loss" in h][-1]
         results[f"zero3_{tag}_theta0"] = held_theta0(callback.protection)
-        with deepspeed.zero.GatheredParameters(list(model.parameters())):
-            results[f"zero3_{tag}_params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        results[f"zero3_{tag}_params"] = zero3_full_params(model)
     results["zero3_read_one"] = held_theta0(make_state(model, theta0=SavedTheta0(one)))
     return results
 

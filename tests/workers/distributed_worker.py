@@ -39,6 +39,7 @@ from support.distributed import (
     RESUME_STEP,
     ROWS,
     Resume,
+    fsdp1_full_params,
     held_theta0,
     loop_run,
     make_callback,
@@ -215,8 +216,7 @@ def fsdp1_case(rank, world, out, reads):
             callback.anchor.fisher, [t.param for t in cfp.tensors], cfp.views["math"].fisher, cfp.theta0, strict=True
         )
     }
-    with FullyShardedDataParallel.summon_full_params(model):
-        params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    params = fsdp1_full_params(model)
     flat = fsdp1_wrap(use_orig_params=False)  # flat parameters: pieces bound as views of the local shards
     flat_active = all(isinstance(p, FlatParameter) for p in flat.parameters())
     flat_callback = make_callback(make_model())
@@ -230,17 +230,12 @@ def fsdp1_case(rank, world, out, reads):
             strict=True,
         )
     }
-    with FullyShardedDataParallel.summon_full_params(flat):
-        flat_params = {canonical_name(n): p.detach().clone() for n, p in flat.named_parameters()}
-
-    def full_params(model):
-        with FullyShardedDataParallel.summon_full_params(model):
-            return {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    flat_params = fsdp1_full_params(flat)
 
     resumes = {}
     for mode, use_orig_params in (("fsdp1", True), ("fsdp1flat", False)):
         build = partial(fsdp1_wrap, use_orig_params)
-        resumes.update(loop_resume_case(mode, build, full_params, out, rank, world, reads))
+        resumes.update(loop_resume_case(mode, build, fsdp1_full_params, out, rank, world, reads))
     return {
         **resumes,
         "fsdp1_logs": logs,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from deepspeed_worker import master_gap, zero_trainer
-from support.distributed import RESUME_STEP, make_kfac_callback, make_model
+from support.distributed import RESUME_STEP, make_kfac_callback, make_model, zero3_full_params
 
 
 def main(out, full, tailed, safety):
@@ -58,7 +58,6 @@ def main(out, full, tailed, safety):
 
 def run(out, tag, anchor, stage, threshold=None, save_steps=None, resume=None):
     """One Trainer run under ZeRO-`stage`, protected by `anchor`: what the module docstring lists, keyed `tag_*`."""
-    import deepspeed
     from accelerate.state import AcceleratorState
 
     AcceleratorState._reset_state()  # accelerate allows one DeepSpeed plugin per process: start over
@@ -70,8 +69,7 @@ def run(out, tag, anchor, stage, threshold=None, save_steps=None, resume=None):
     trainer.train(resume_from_checkpoint=str(resume) if resume else None)
     fragments = callback.protection.kronecker_master.fragments
     widths = [fragment.kfac[name].a_vectors.shape[-2] for fragment in fragments for name in fragment.kfac]
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = zero3_full_params(model)
     return {
         f"{tag}_logs": [h for h in trainer.state.log_history if "loss" in h][-1],
         f"{tag}_params": params,

@@ -23,6 +23,7 @@ import torch
 from support.distributed import (
     ROWS,
     estimate_kfac_anchor,
+    fsdp1_full_params,
     loop_run,
     make_kfac_callback,
     make_model,
@@ -92,8 +93,6 @@ def fsdp1_run(anchor, rank: int, world: int, mode: str, use_orig_params: bool) -
     its logs, its full parameters after the run, and the K-FAC weights held as pieces that cut a row."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from hf_cfp.names import canonical_name
-
     model = FullyShardedDataParallel(
         make_model(),
         device_id=torch.device("cpu"),
@@ -102,8 +101,7 @@ def fsdp1_run(anchor, rank: int, world: int, mode: str, use_orig_params: bool) -
     )
     callback = make_kfac_callback(anchor)
     logs = loop_run(model, callback, make_rows()[rank::world])
-    with FullyShardedDataParallel.summon_full_params(model):
-        params = {canonical_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    params = fsdp1_full_params(model)
     factored = [t for t in callback.protection.tensors if t.kfac]
     cut = [t.name for t in factored if t.held.start % t.kfac["math"].a_vectors.shape[0] and t.held.stop > t.held.start]
     # (start, stop, in, rows of U_G bound) of each K-FAC weight's piece
