@@ -362,8 +362,9 @@ def describe_layout(model, ranked, full, r: int) -> None:
     )
 
 
-def diagonal_rows(model: Model, n: int, step_s: float, args: argparse.Namespace) -> None:
+def diagonal_rows(model: Model, step_s: float, args: argparse.Namespace) -> None:
     """The FSDP2 rows of a diagonal anchor: theta0 (bf16) and F per rank, (6 + bytes of F) x P / n of HBM traffic."""
+    n = args.ranks
     for label, f_bytes in (("FSDP2, diagonal anchor, F float32", 4), ("FSDP2, diagonal anchor, F bfloat16", 2)):
         seconds = (6 + f_bytes) * model.params / n / (args.hbm_tbps * 1e12 * args.efficiency)
         memory = (2 + f_bytes) * model.params / n
@@ -411,7 +412,7 @@ def report(name: str, args: argparse.Namespace) -> None:
         "| communicated per rank | time per step | / training step |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    diagonal_rows(model, n, step_s, args)
+    diagonal_rows(model, step_s, args)
     results = {}
     two = f"K-FAC rank {r} + tails, two anchors summed ({args.iterations:g} iterations)"
     plans = {
